@@ -1,0 +1,7 @@
+"""The library an API server uses to enqueue requests and wait for their results."""
+
+from producer.enqueue import JOB_FUNCTIONS, Producer, Ticket
+from producer.errors import Rejected
+from producer.waiter import ResultWaiter
+
+__all__ = ["JOB_FUNCTIONS", "Producer", "Rejected", "ResultWaiter", "Ticket"]

@@ -1,0 +1,197 @@
+"""Enqueue requests onto their model's shard queue: validated, idempotent, versioned, bounded."""
+
+import hashlib
+import json
+import re
+import time
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+from redis import Redis
+from redis.exceptions import WatchError
+from rq import Queue
+
+from producer.errors import Rejected
+from producer.waiter import ResultWaiter, get_result
+from schemas import (
+    ID_PATTERN,
+    LimitExceeded,
+    Limits,
+    Request,
+    Result,
+    SampleRequest,
+    WeightSyncRequest,
+    new_request_id,
+)
+from tinkerq import keys
+from tinkerq.config import QueueConfig
+
+# The only functions a worker will run, by kind. Producers never import the worker's code.
+JOB_FUNCTIONS: dict[str, str] = {
+    "sample": "worker.jobs.sample",
+    "weight_sync": "worker.jobs.weight_sync",
+    "create_model": "worker.jobs.training_op",
+    "forward": "worker.jobs.training_op",
+    "forward_backward": "worker.jobs.training_op",
+    "optim_step": "worker.jobs.training_op",
+    "save_state": "worker.jobs.training_op",
+    "load_state": "worker.jobs.training_op",
+}
+
+_ID_RE = re.compile(ID_PATTERN)
+
+
+@dataclass(frozen=True)
+class Ticket:
+    request_id: str
+    shard: int
+    # The version a weight sync was given, or the snapshot a sample will be served from.
+    version: int | None = None
+    # True when this submission repeated an earlier one and nothing new was enqueued.
+    duplicate: bool = False
+
+
+def digest(request: BaseModel) -> str:
+    canonical = json.dumps(request.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
+
+
+class Producer:
+    def __init__(self, connection: Redis, config: QueueConfig | None = None, limits: Limits | None = None) -> None:
+        self.connection = connection
+        self.config = config or QueueConfig()
+        self.limits = limits or Limits()
+        check_num_shards(connection, self.config.num_shards)
+        self._waiter: ResultWaiter | None = None
+        self._queues = [
+            Queue(keys.queue_name(k), connection=connection, serializer="json")
+            for k in range(self.config.num_shards)
+        ]
+
+    def shard_of(self, model_id: str) -> int:
+        return keys.shard_of(model_id, self.config.num_shards)
+
+    def submit(self, request: Request, request_id: str | None = None) -> Ticket:
+        """Enqueue one request. Raises Rejected (nothing enqueued) on a limit, a full queue or a conflict."""
+        try:
+            self.limits.check(request)
+        except LimitExceeded as exc:
+            raise Rejected.of(400, "limit_exceeded", str(exc)) from exc
+        rid = request_id or new_request_id(request.kind[:2])
+        if not _ID_RE.match(rid):
+            raise Rejected.of(400, "invalid_request_id", f"request id {rid!r} must match {ID_PATTERN}")
+        with self.connection.pipeline() as pipe:
+            while True:
+                try:
+                    return self._submit_once(pipe, request, rid, digest(request))
+                except WatchError:
+                    continue  # a concurrent submit touched one of our keys: re-read and retry
+
+    def _submit_once(self, pipe, request: Request, rid: str, body_digest: str) -> Ticket:
+        shard = self.shard_of(request.model_id)
+        seq_id = getattr(request, "seq_id", None)
+        watched = [keys.request_key(rid), keys.model_key(request.model_id, "wver")]
+        if seq_id is not None:
+            watched.append(keys.seq_key(request.model_id, seq_id))
+        pipe.watch(*watched)
+        duplicate = self._find_duplicate(pipe, rid, request.model_id, seq_id, body_digest, shard)
+        if duplicate:
+            return duplicate
+        queue = self._queues[shard]
+        depth = pipe.llen(queue.key)
+        if depth >= self.limits.max_shard_queue_depth:
+            raise Rejected.of(
+                429, "queue_full",
+                f"shard {shard} has {depth} queued jobs (limit {self.limits.max_shard_queue_depth}); retry later",
+                retryable=True,
+            )
+        request, version = self._stamp_version(pipe, request)
+        pipe.multi()
+        self._record(pipe, request, rid, shard, body_digest, seq_id)
+        queue.enqueue_call(
+            JOB_FUNCTIONS[request.kind],
+            args=(request.model_dump(mode="json"),),
+            job_id=rid,
+            pipeline=pipe,
+            timeout=self.config.job_timeout_s,
+            result_ttl=self.config.rq_result_ttl_s,
+            failure_ttl=self.config.rq_failure_ttl_s,
+            # Prompts never reach the dashboard's description column.
+            description=f"{request.kind} {request.model_id}",
+        )
+        pipe.execute()
+        return Ticket(rid, shard, version)
+
+    def _find_duplicate(
+        self, pipe, rid: str, model_id: str, seq_id: int | None, body_digest: str, shard: int
+    ) -> Ticket | None:
+        first_rid = rid
+        if seq_id is not None:
+            stored = pipe.get(keys.seq_key(model_id, seq_id))
+            if stored is not None:
+                first_rid = stored.decode()
+        record = pipe.hgetall(keys.request_key(first_rid))
+        if not record:
+            if first_rid != rid:
+                return Ticket(first_rid, shard, duplicate=True)  # record expired; the seq claim stands
+            return None
+        if record[b"digest"].decode() != body_digest:
+            where = f"(model_id={model_id}, seq_id={seq_id})" if first_rid != rid else f"request id {rid}"
+            raise Rejected.of(409, "idempotency_conflict", f"{where} was already used with a different body")
+        version = record.get(b"version")
+        return Ticket(first_rid, shard, int(version) if version else None, duplicate=True)
+
+    def _stamp_version(self, pipe, request: Request) -> tuple[Request, int | None]:
+        latest = int(pipe.get(keys.model_key(request.model_id, "wver")) or 0)
+        if isinstance(request, WeightSyncRequest):
+            return request.model_copy(update={"version": latest + 1}), latest + 1
+        if isinstance(request, SampleRequest):
+            if request.weights_version is None:
+                return request.model_copy(update={"weights_version": latest}), latest
+            return request, request.weights_version
+        return request, None
+
+    def _record(self, pipe, request: Request, rid: str, shard: int, body_digest: str, seq_id: int | None) -> None:
+        record = {
+            "kind": request.kind,
+            "model": request.model_id,
+            "shard": shard,
+            "digest": body_digest,
+            "status": "queued",
+            "created": time.time(),
+        }
+        version = request.version if isinstance(request, WeightSyncRequest) else getattr(request, "weights_version", None)
+        if version is not None:
+            record["version"] = version
+        if isinstance(request, WeightSyncRequest):
+            pipe.set(keys.model_key(request.model_id, "wver"), request.version)
+        if seq_id is not None:
+            pipe.set(keys.seq_key(request.model_id, seq_id), rid, ex=self.config.request_ttl_s)
+        pipe.hset(keys.request_key(rid), mapping=record)
+        pipe.expire(keys.request_key(rid), self.config.request_ttl_s)
+
+    def get(self, request_id: str) -> Result | None:
+        return get_result(self.connection, request_id)
+
+    def wait(self, request_id: str, timeout: float) -> Result | None:
+        """Block until the request's result lands (None after `timeout` seconds)."""
+        if self._waiter is None:
+            self._waiter = ResultWaiter(self.connection)
+        return self._waiter.wait(request_id, timeout)
+
+    def queue_depths(self) -> list[int]:
+        with self.connection.pipeline(transaction=False) as pipe:
+            for queue in self._queues:
+                pipe.llen(queue.key)
+            return pipe.execute()
+
+
+def check_num_shards(connection: Redis, num_shards: int) -> None:
+    """K must agree across every producer and worker of a deployment, or models would move shards."""
+    connection.set(keys.NUM_SHARDS_KEY, num_shards, nx=True)
+    recorded = int(connection.get(keys.NUM_SHARDS_KEY))
+    if recorded != num_shards:
+        raise RuntimeError(
+            f"this Redis was set up with {recorded} shards but TINKERQ_NUM_SHARDS={num_shards}; "
+            "K is fixed per deployment (delete the key tq:config:num_shards only on an empty deployment)"
+        )

@@ -1,0 +1,18 @@
+"""Identifier rules. Ids end up in Redis keys, RQ job ids and HTTP headers, so they are strict."""
+
+import secrets
+from typing import Annotated
+
+from pydantic import StringConstraints
+
+# RQ job ids allow only [A-Za-z0-9_-]; the request id *is* the job id.
+ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
+# Tinker model ids look like "<session>:train:<n>"; ':' and '.' are allowed, braces and spaces never.
+MODEL_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
+
+RequestId = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
+ModelId = Annotated[str, StringConstraints(pattern=MODEL_ID_PATTERN)]
+
+
+def new_request_id(prefix: str = "r") -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"

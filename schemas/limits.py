@@ -1,0 +1,52 @@
+"""Configured bounds on what a request may ask for, checked before anything reaches a GPU."""
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from schemas.requests import ForwardRequest, Request, SampleRequest
+
+
+class LimitExceeded(ValueError):
+    """A request asks for more than the deployment allows. The message names field and limit."""
+
+    def __init__(self, field: str, value: int, limit: int, env: str) -> None:
+        self.field, self.value, self.limit = field, value, limit
+        super().__init__(f"{field}={value} exceeds the limit of {limit} (set by {env})")
+
+
+class Limits(BaseSettings):
+    """Read from TINKERQ_* environment variables; the defaults suit a single small GPU."""
+
+    model_config = SettingsConfigDict(env_prefix="TINKERQ_", frozen=True)
+
+    max_num_samples: int = 128
+    max_tokens: int = 4096
+    max_prompt_tokens: int = 32768
+    max_topk: int = 20
+    # Bounds the size of one result: num_samples * (prompt + max_tokens) tokens.
+    max_tokens_per_request: int = 262144
+    max_datums: int = 4096
+    max_shard_queue_depth: int = 10000
+
+    def _bound(self, field: str, value: int, limit_name: str) -> None:
+        limit = getattr(self, limit_name)
+        if value > limit:
+            raise LimitExceeded(field, value, limit, f"TINKERQ_{limit_name.upper()}")
+
+    def check(self, request: Request) -> None:
+        """Raise LimitExceeded for the first bound the request breaks."""
+        if isinstance(request, SampleRequest):
+            self._check_sample(request)
+        elif isinstance(request, ForwardRequest):
+            self._bound("len(data)", len(request.data), "max_datums")
+            tokens = sum(len(d.model_input) for d in request.data)
+            self._bound("total tokens in data", tokens, "max_tokens_per_request")
+            for datum in request.data:
+                self._bound("len(model_input)", len(datum.model_input), "max_prompt_tokens")
+
+    def _check_sample(self, request: SampleRequest) -> None:
+        self._bound("num_samples", request.num_samples, "max_num_samples")
+        self._bound("sampling_params.max_tokens", request.sampling_params.max_tokens, "max_tokens")
+        self._bound("len(prompt_tokens)", len(request.prompt_tokens), "max_prompt_tokens")
+        self._bound("topk_prompt_logprobs", request.topk_prompt_logprobs, "max_topk")
+        budget = request.num_samples * (len(request.prompt_tokens) + request.sampling_params.max_tokens)
+        self._bound("num_samples * (prompt + max_tokens)", budget, "max_tokens_per_request")

@@ -1,0 +1,127 @@
+"""Result types: exactly one of these is stored per request."""
+
+import math
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_serializer, field_validator
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GeneratedSequence(_Out):
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: Literal["stop", "length"]
+
+
+class TopkLogprobs(_Out):
+    """Row-major [len(prompt), k] top-k prompt logprobs; row 0 (no context) is empty."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+
+
+def _nan_to_none(values: list[float | None] | None) -> list[float | None] | None:
+    if values is None:
+        return None
+    return [None if v is None or math.isnan(v) else v for v in values]
+
+
+class SampleOutput(_Out):
+    type: Literal["sample"] = "sample"
+    sequences: list[GeneratedSequence]
+    # Same length as the prompt; position 0 has no context and is None.
+    prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: TopkLogprobs | None = None
+    weights_version: int
+
+    @field_validator("prompt_logprobs", mode="before")
+    @classmethod
+    def _nan_is_missing(cls, values: Any) -> Any:
+        return _nan_to_none(values) if isinstance(values, list) else values
+
+
+class WeightSyncOutput(_Out):
+    type: Literal["weight_sync"] = "weight_sync"
+    model_id: str
+    version: int
+    persisted: bool
+    path: str | None = None
+    # False when this sync was a replay of one already applied (idempotent no-op).
+    applied: bool = True
+
+
+class CreateModelOutput(_Out):
+    type: Literal["create_model"] = "create_model"
+    model_id: str
+    base_model: str
+    lora_rank: int | None = None
+
+
+class ForwardBackwardOutput(_Out):
+    type: Literal["forward_backward"] = "forward_backward"
+    # One dict per datum, in input order: name -> per-token values (at least "logprobs").
+    loss_fn_outputs: list[dict[str, list[float]]]
+    # Keys are "name:reduction" (e.g. "loss:sum"), as the Tinker client merges them by suffix.
+    metrics: dict[str, float]
+
+    @field_validator("metrics")
+    @classmethod
+    def _metric_keys(cls, metrics: dict[str, float]) -> dict[str, float]:
+        for key in metrics:
+            if key.count(":") != 1:
+                raise ValueError(f"metric key {key!r} must be 'name:reduction'")
+        return metrics
+
+
+class OptimStepOutput(_Out):
+    type: Literal["optim_step"] = "optim_step"
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class SaveStateOutput(_Out):
+    type: Literal["save_state"] = "save_state"
+    path: str
+    include_optimizer: bool
+
+
+class LoadStateOutput(_Out):
+    type: Literal["load_state"] = "load_state"
+    model_id: str
+    path: str
+    optimizer: bool
+
+
+class ErrorResponse(_Out):
+    type: Literal["error"] = "error"
+    error: str
+    status: int = Field(ge=400, le=599)
+    code: str
+    retryable: bool = False
+
+    @field_serializer("error")
+    def _bounded(self, error: str) -> str:
+        return error[:4000]
+
+
+Result = Annotated[
+    Union[
+        SampleOutput,
+        WeightSyncOutput,
+        CreateModelOutput,
+        ForwardBackwardOutput,
+        OptimStepOutput,
+        SaveStateOutput,
+        LoadStateOutput,
+        ErrorResponse,
+    ],
+    Field(discriminator="type"),
+]
+
+_RESULT_ADAPTER: TypeAdapter[Result] = TypeAdapter(Result)
+
+
+def parse_result(raw: str | bytes) -> Result:
+    return _RESULT_ADAPTER.validate_json(raw)

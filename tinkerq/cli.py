@@ -1,0 +1,57 @@
+"""The `tinkerq` command."""
+
+import logging
+import os
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(help="Ordered sample and weight-sync jobs for RL post-training, through Redis and RQ.",
+                  no_args_is_help=True)
+
+RedisUrl = Annotated[str, typer.Option("--redis-url", envvar="REDIS_URL", help="Redis to use")]
+
+
+def _shards(spec: str | None) -> list[int] | None:
+    if not spec:
+        return None
+    try:
+        return [int(part) for part in spec.split(",") if part.strip()]
+    except ValueError as exc:
+        raise typer.BadParameter(f"--shards takes a comma-separated list of integers, got {spec!r}") from exc
+
+
+@app.command()
+def worker(
+    redis_url: RedisUrl = "redis://127.0.0.1:6379/0",
+    shards: Annotated[Optional[str], typer.Option(help="comma-separated shard ids; default: every shard")] = None,
+    runtime: Annotated[Optional[str], typer.Option(help="reference | torch | module:factory")] = None,
+    burst: Annotated[bool, typer.Option(help="exit once the queues are empty")] = False,
+    log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING")] = "INFO",
+) -> None:
+    """Run a long-lived worker: load the runtime once, then consume the shards it owns, in order."""
+    from redis import Redis
+
+    from tinkerq.config import RuntimeConfig
+    from worker.main import WorkerProcess
+    from worker.runtime.factory import build_runtime
+
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if runtime:
+        os.environ["TINKERQ_RUNTIME"] = runtime
+    process = WorkerProcess(Redis.from_url(redis_url), build_runtime(RuntimeConfig()), shards=_shards(shards))
+    process.run(burst=burst, logging_level=log_level)
+
+
+@app.command()
+def shard(model_id: str) -> None:
+    """Print the shard a model id routes to (for the configured TINKERQ_NUM_SHARDS)."""
+    from tinkerq.config import QueueConfig
+    from tinkerq.keys import queue_name, shard_of
+
+    k = shard_of(model_id, QueueConfig().num_shards)
+    typer.echo(f"{k} {queue_name(k)}")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,36 @@
+"""Deployment settings shared by producers and workers (TINKERQ_* environment variables)."""
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class QueueConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TINKERQ_", frozen=True)
+
+    # K is fixed for a deployment: model -> shard must never move. Recorded in Redis on first use.
+    num_shards: int = Field(8, ge=1, le=1024)
+    result_ttl_s: int = Field(3600, ge=1)
+    request_ttl_s: int = Field(86400, ge=1)
+    # RQ's own job records only feed the dashboard; keep them short-lived.
+    rq_result_ttl_s: int = Field(600, ge=1)
+    rq_failure_ttl_s: int = Field(86400, ge=1)
+    # Backstop only; real limits are enforced inside the engine.
+    job_timeout_s: int = Field(1800, ge=1)
+    lease_ttl_ms: int = Field(15000, ge=1000)
+    # An early training op waits this long for its seq_id gap to fill.
+    seq_gap_timeout_s: float = Field(120.0, gt=0)
+    max_batch_requests: int = Field(256, ge=1)
+    tick_s: int = Field(1, ge=1, description="worker idle loop period (seconds)")
+
+
+class RuntimeConfig(BaseSettings):
+    """What a worker loads: which runtime, where checkpoints go, how many snapshots it keeps."""
+
+    model_config = SettingsConfigDict(env_prefix="TINKERQ_", frozen=True)
+
+    runtime: str = Field("reference", description="reference | torch | module:factory")
+    checkpoint_root: str = "./checkpoints"
+    # Live weight snapshots per model: a sampling session pinned to an older one gets an explicit error.
+    max_snapshots: int = Field(4, ge=1)
+    # Test aid for the reference engine: simulated generation time per token.
+    reference_delay_per_token_s: float = Field(0.0, ge=0.0)

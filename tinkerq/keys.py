@@ -1,0 +1,46 @@
+"""Redis key layout and routing. Every key of a model carries the model id in braces."""
+
+from hashlib import blake2b
+
+PREFIX = "tq"
+DONE_CHANNEL = f"{PREFIX}:done"
+NUM_SHARDS_KEY = f"{PREFIX}:config:num_shards"
+
+
+def shard_of(model_id: str, num_shards: int) -> int:
+    """Stable across processes and languages (never Python's salted hash())."""
+    digest = blake2b(model_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % num_shards
+
+
+def queue_name(shard: int) -> str:
+    return f"tinkerq.shard.{shard:03d}"
+
+
+def request_key(request_id: str) -> str:
+    return f"{PREFIX}:req:{request_id}"
+
+
+def result_key(request_id: str) -> str:
+    return f"{PREFIX}:res:{request_id}"
+
+
+def model_key(model_id: str, field: str) -> str:
+    """Per-model keys: wver (last version enqueued), applied, seq (last executed), held, snapshots."""
+    return f"{PREFIX}:model:{{{model_id}}}:{field}"
+
+
+def seq_key(model_id: str, seq_id: int) -> str:
+    return f"{PREFIX}:model:{{{model_id}}}:seqid:{seq_id}"
+
+
+def lease_key(shard: int) -> str:
+    return f"{PREFIX}:shard:{shard}:lease"
+
+
+def epoch_key(shard: int) -> str:
+    return f"{PREFIX}:shard:{shard}:epoch"
+
+
+def held_deadlines_key(shard: int) -> str:
+    return f"{PREFIX}:shard:{shard}:held"

@@ -1,0 +1,120 @@
+"""Turn one dequeued job into exactly one stored result (or a parked training op)."""
+
+import logging
+import traceback
+from typing import Any
+
+from pydantic import ValidationError
+from redis import Redis
+from rq import Queue
+from rq.job import Job
+
+from schemas import ErrorResponse, Request, Result, SampleRequest, WeightSyncRequest, parse_request
+from tinkerq import keys
+from tinkerq.config import QueueConfig
+from worker import batching
+from worker.fencing import Fence, FencedOut
+from worker.runtime import DomainError, Runtime
+from worker.sequencing import Sequencer
+
+log = logging.getLogger(__name__)
+
+
+def shard_of_queue(queue_name: str) -> int:
+    return int(queue_name.rsplit(".", 1)[1])
+
+
+def summary(request_id: str, result: Result) -> dict[str, Any]:
+    """What RQ keeps as the job's return value: small, for the dashboard only."""
+    out: dict[str, Any] = {"request_id": request_id, "type": result.type}
+    if isinstance(result, ErrorResponse):
+        out["code"] = result.code
+    return out
+
+
+class Dispatcher:
+    def __init__(self, connection: Redis, runtime: Runtime, fence: Fence, config: QueueConfig) -> None:
+        self.connection = connection
+        self.runtime = runtime
+        self.fence = fence
+        self.config = config
+        self.sequencer = Sequencer(connection, fence, config.seq_gap_timeout_s, self._execute, self.finish)
+
+    def finish(self, shard: int, request_id: str, result: Result) -> bool:
+        """Store the request's one result (fenced, first writer wins)."""
+        status = "error" if isinstance(result, ErrorResponse) else "done"
+        stored = self.fence.put_result(shard, request_id, result.model_dump_json(), self.config.result_ttl_s, status)
+        if not stored:
+            log.info("result of %s was already stored; keeping the first", request_id)
+        return stored
+
+    def fail(self, shard: int, request_id: str, error: ErrorResponse) -> None:
+        """Best-effort error result for infrastructure failures (never raises)."""
+        try:
+            self.finish(shard, request_id, error)
+        except Exception:  # noqa: BLE001 - called from failure paths that must not fail again
+            log.exception("could not store the error result of %s", request_id)
+
+    def handle(self, job: Job, args: tuple, kwargs: dict) -> dict[str, Any]:
+        rid, shard = job.id, shard_of_queue(job.origin)
+        if self.connection.exists(keys.result_key(rid)):
+            return {"request_id": rid, "skipped": "result already stored"}
+        request = self._parse(shard, rid, args, kwargs)
+        if isinstance(request, ErrorResponse):
+            self.finish(shard, rid, request)
+            return summary(rid, request)
+        if isinstance(request, SampleRequest):
+            return self._sample(job, shard, rid, request)
+        if isinstance(request, WeightSyncRequest):
+            self._execute(shard, rid, request)
+            return {"request_id": rid, "type": "weight_sync"}
+        return {"request_id": rid, "seq": self.sequencer.submit(shard, rid, request)}
+
+    def _parse(self, shard: int, rid: str, args: tuple, kwargs: dict) -> Request | ErrorResponse:
+        if kwargs or len(args) != 1 or not isinstance(args[0], dict):
+            return ErrorResponse(
+                error="a job takes exactly one positional argument, the request payload object",
+                status=400, code="invalid_job",
+            )
+        try:
+            request = parse_request(args[0])
+        except ValidationError as exc:
+            return ErrorResponse(error=f"invalid request: {exc}", status=400, code="invalid_request")
+        expected = keys.shard_of(request.model_id, self.config.num_shards)
+        if expected != shard:
+            return ErrorResponse(
+                error=f"model {request.model_id!r} belongs to shard {expected}, but the job was on shard {shard}",
+                status=400, code="wrong_shard",
+            )
+        return request
+
+    def _execute(self, shard: int, rid: str, request: Request) -> None:
+        try:
+            result = self.runtime.execute(request)
+        except DomainError as exc:
+            result = exc.response()
+        if isinstance(request, WeightSyncRequest) and not isinstance(result, ErrorResponse):
+            self.fence.set_counter(shard, keys.model_key(request.model_id, "applied"), request.version)
+        self.finish(shard, rid, result)
+
+    def _sample(self, job: Job, shard: int, rid: str, request: SampleRequest) -> dict[str, Any]:
+        queue_key = Queue.redis_queue_namespace_prefix + job.origin
+        batch = [(rid, request)] + batching.lookahead(self.connection, queue_key, self.config.max_batch_requests - 1)
+        results = self.runtime.sample([r for _, r in batch])
+        for (each_rid, _), result in zip(batch, results):
+            self.finish(shard, each_rid, result)
+        return {"request_id": rid, "type": "sample", "batch": len(batch)}
+
+    def internal_error(self, job: Job, exc_type: type, exc: BaseException) -> None:
+        """RQ exception handler: the job raised or timed out; its request still gets one result."""
+        if isinstance(exc, FencedOut):
+            return  # the new owner will run it again
+        timed_out = exc_type.__name__ == "JobTimeoutException"
+        error = ErrorResponse(
+            error=f"{exc_type.__name__}: {exc}" if not timed_out else f"the job exceeded its time limit: {exc}",
+            status=504 if timed_out else 500,
+            code="timeout" if timed_out else "internal_error",
+            retryable=True,
+        )
+        log.debug("storing internal error for %s: %s", job.id, "".join(traceback.format_exception_only(exc)))
+        self.fail(shard_of_queue(job.origin), job.id, error)

@@ -1,0 +1,116 @@
+"""Shard leases with a fencing epoch, and the writes they guard.
+
+A worker owns a shard while it holds `tq:shard:{k}:lease = "<worker>:<epoch>"`. Every authoritative
+write (a result, an applied version, a sequence position) runs as one Lua script that first checks
+the lease still holds our token, so a stalled former owner can never overwrite its successor's work.
+"""
+
+from redis import Redis
+
+from tinkerq import keys
+
+_ACQUIRE = """
+local epoch = redis.call('INCR', KEYS[2])
+local token = ARGV[1] .. ':' .. epoch
+if redis.call('SET', KEYS[1], token, 'NX', 'PX', ARGV[2]) then return token end
+return false
+"""
+
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+# KEYS: lease, result, request record. ARGV: token, result json, ttl, channel, request id, status.
+_PUT_RESULT = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+if not redis.call('SET', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then return 0 end
+if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('HSET', KEYS[3], 'status', ARGV[6]) end
+redis.call('PUBLISH', ARGV[4], ARGV[5])
+return 1
+"""
+
+# KEYS: lease, counter. ARGV: token, value, mode ("max" keeps the larger value, "set" overwrites).
+_SET_COUNTER = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+local current = tonumber(redis.call('GET', KEYS[2]))
+local value = tonumber(ARGV[2])
+if ARGV[3] == 'set' or current == nil or value > current then redis.call('SET', KEYS[2], value) end
+return 1
+"""
+
+
+class FencedOut(RuntimeError):
+    """This worker no longer owns the shard; its write was refused."""
+
+
+class Fence:
+    """The leases one worker holds, and the fenced writes made under them."""
+
+    def __init__(self, connection: Redis, owner: str, ttl_ms: int) -> None:
+        self.connection = connection
+        self.owner = owner
+        self.ttl_ms = ttl_ms
+        self.tokens: dict[int, str] = {}
+        self._acquire = connection.register_script(_ACQUIRE)
+        self._renew = connection.register_script(_RENEW)
+        self._release = connection.register_script(_RELEASE)
+        self._put_result = connection.register_script(_PUT_RESULT)
+        self._set_counter = connection.register_script(_SET_COUNTER)
+
+    def acquire(self, shards: list[int]) -> list[int]:
+        """Try to take each free shard; return the ones newly taken."""
+        taken = []
+        for shard in shards:
+            if shard in self.tokens:
+                continue
+            token = self._acquire(keys=[keys.lease_key(shard), keys.epoch_key(shard)], args=[self.owner, self.ttl_ms])
+            if token:
+                self.tokens[shard] = token.decode() if isinstance(token, bytes) else token
+                taken.append(shard)
+        return taken
+
+    def renew(self) -> list[int]:
+        """Extend every lease; return (and forget) the shards that were lost."""
+        lost = [
+            shard
+            for shard, token in list(self.tokens.items())
+            if not self._renew(keys=[keys.lease_key(shard)], args=[token, self.ttl_ms])
+        ]
+        for shard in lost:
+            del self.tokens[shard]
+        return lost
+
+    def release(self) -> None:
+        for shard, token in list(self.tokens.items()):
+            self._release(keys=[keys.lease_key(shard)], args=[token])
+        self.tokens.clear()
+
+    def owns(self, shard: int) -> bool:
+        return shard in self.tokens
+
+    def _token(self, shard: int) -> str:
+        # An unknown shard gets a token no lease can hold, so the write is refused, not unfenced.
+        return self.tokens.get(shard, "-")
+
+    def put_result(self, shard: int, request_id: str, payload: str, ttl_s: int, status: str) -> bool:
+        """Store a result first-writer-wins. False if one was already stored; FencedOut if not owner."""
+        outcome = self._put_result(
+            keys=[keys.lease_key(shard), keys.result_key(request_id), keys.request_key(request_id)],
+            args=[self._token(shard), payload, ttl_s, keys.DONE_CHANNEL, request_id, status],
+        )
+        if outcome == -1:
+            raise FencedOut(f"lost the lease on shard {shard}; result of {request_id} not written")
+        return outcome == 1
+
+    def set_counter(self, shard: int, key: str, value: int, *, only_up: bool = True) -> None:
+        outcome = self._set_counter(
+            keys=[keys.lease_key(shard), key], args=[self._token(shard), value, "max" if only_up else "set"]
+        )
+        if outcome == -1:
+            raise FencedOut(f"lost the lease on shard {shard}; {key} not written")

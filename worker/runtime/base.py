@@ -1,0 +1,88 @@
+"""The two interfaces a runtime is built from. PyTorch, vLLM and the reference model implement them."""
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from schemas import (
+    CreateModelOutput,
+    CreateModelRequest,
+    ErrorResponse,
+    ForwardBackwardOutput,
+    ForwardRequest,
+    LoadStateOutput,
+    LoadStateRequest,
+    OptimStepOutput,
+    OptimStepRequest,
+    SampleOutput,
+    SampleRequest,
+)
+
+
+class DomainError(Exception):
+    """A request that cannot be served as asked: answered with an ErrorResponse, never an RQ failure."""
+
+    def __init__(self, status: int, code: str, message: str, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.status, self.code, self.retryable = status, code, retryable
+
+    def response(self) -> ErrorResponse:
+        return ErrorResponse(error=str(self), status=self.status, code=self.code, retryable=self.retryable)
+
+
+def unknown_model(model_id: str) -> DomainError:
+    return DomainError(404, "unknown_model", f"model {model_id!r} does not exist on this worker (create it first)")
+
+
+class Engine(ABC):
+    """Batched generation over weight snapshots addressed by (model id, version)."""
+
+    @abstractmethod
+    def add_model(self, model_id: str, base_model: str, weights: Any) -> None:
+        """Register a model whose version 0 is `weights` (as exported by the trainer)."""
+
+    @abstractmethod
+    def apply_weights(self, model_id: str, version: int, weights: Any) -> None:
+        """Make `weights` servable as snapshot `version`, evicting the oldest beyond the engine's bound."""
+
+    @abstractmethod
+    def live_versions(self, model_id: str) -> list[int]:
+        """Snapshot versions this engine can serve for the model, oldest first ([] if unknown)."""
+
+    @abstractmethod
+    def generate(self, requests: list[SampleRequest]) -> list[SampleOutput]:
+        """Serve every request from its own `weights_version`, all in one batch where possible."""
+
+    def remove_model(self, model_id: str) -> None:  # noqa: B027 - optional
+        """Drop every snapshot of a model."""
+
+
+class Trainer(ABC):
+    @abstractmethod
+    def has_model(self, model_id: str) -> bool: ...
+
+    @abstractmethod
+    def create_model(self, request: CreateModelRequest) -> CreateModelOutput: ...
+
+    @abstractmethod
+    def forward(self, request: ForwardRequest, backward: bool) -> ForwardBackwardOutput: ...
+
+    @abstractmethod
+    def optim_step(self, request: OptimStepRequest) -> OptimStepOutput: ...
+
+    @abstractmethod
+    def export_weights(self, model_id: str) -> Any:
+        """The current weights in the form this runtime's engine imports (in memory, no disk)."""
+
+    @abstractmethod
+    def save_sampler_weights(self, model_id: str, name: str) -> str:
+        """Persist the current weights as a sampler snapshot; return its path."""
+
+    @abstractmethod
+    def save_state(self, model_id: str, name: str, include_optimizer: bool) -> str:
+        """Persist weights (and optimizer state); return its path."""
+
+    @abstractmethod
+    def load_state(self, request: LoadStateRequest) -> LoadStateOutput: ...
+
+    def base_model(self, model_id: str) -> str:
+        return model_id

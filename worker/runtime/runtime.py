@@ -1,0 +1,119 @@
+"""Serve requests against a trainer and an engine, enforcing snapshot and version semantics."""
+
+from schemas import (
+    CreateModelRequest,
+    ErrorResponse,
+    ForwardBackwardRequest,
+    ForwardRequest,
+    LoadStateRequest,
+    OptimStepRequest,
+    Result,
+    SampleOutput,
+    SampleRequest,
+    SaveStateOutput,
+    SaveStateRequest,
+    WeightSyncOutput,
+    WeightSyncRequest,
+)
+from worker.runtime.base import DomainError, Engine, Trainer, unknown_model
+
+
+class Runtime:
+    def __init__(self, trainer: Trainer, engine: Engine) -> None:
+        self.trainer = trainer
+        self.engine = engine
+        self._applied: dict[str, int] = {}
+        self._paths: dict[tuple[str, int], str] = {}
+
+    def execute(self, request) -> Result:
+        """Run one non-sample request. Raises DomainError for anything the caller got wrong."""
+        match request:
+            case WeightSyncRequest():
+                return self.sync_weights(request)
+            case CreateModelRequest():
+                return self._create(request)
+            case ForwardBackwardRequest():
+                return self.trainer.forward(self._known(request), backward=True)
+            case ForwardRequest():
+                return self.trainer.forward(self._known(request), backward=False)
+            case OptimStepRequest():
+                return self.trainer.optim_step(self._known(request))
+            case SaveStateRequest():
+                path = self.trainer.save_state(self._known(request).model_id, request.name, request.include_optimizer)
+                return SaveStateOutput(path=path, include_optimizer=request.include_optimizer)
+            case LoadStateRequest():
+                return self._load(request)
+        raise DomainError(400, "unsupported_request", f"requests of kind {request.kind!r} are not supported")
+
+    def _known(self, request):
+        if not self.trainer.has_model(request.model_id):
+            raise unknown_model(request.model_id)
+        return request
+
+    def _create(self, request: CreateModelRequest):
+        if self.trainer.has_model(request.model_id):
+            raise DomainError(409, "model_exists", f"model {request.model_id!r} already exists")
+        output = self.trainer.create_model(request)
+        self._register(request.model_id)
+        return output
+
+    def _load(self, request: LoadStateRequest):
+        output = self.trainer.load_state(request)
+        self.engine.remove_model(request.model_id)
+        self._register(request.model_id)
+        return output
+
+    def _register(self, model_id: str) -> None:
+        weights = self.trainer.export_weights(model_id)
+        self.engine.add_model(model_id, self.trainer.base_model(model_id), weights)
+        self._applied[model_id] = 0
+
+    def sync_weights(self, request: WeightSyncRequest) -> WeightSyncOutput:
+        """Make the trainer's current weights servable as `request.version`. Replays are no-ops."""
+        model_id, version = self._known(request).model_id, request.version
+        if version is None:
+            raise DomainError(400, "missing_version", "a weight sync needs the version its producer assigned")
+        if version <= self._applied.get(model_id, -1):
+            path = self._paths.get((model_id, version))
+            return WeightSyncOutput(model_id=model_id, version=version, persisted=path is not None, path=path, applied=False)
+        path = self.trainer.save_sampler_weights(model_id, request.name) if request.persist else None
+        self.engine.apply_weights(model_id, version, self.trainer.export_weights(model_id))
+        self._applied[model_id] = version
+        if path is not None:
+            self._paths[(model_id, version)] = path
+        return WeightSyncOutput(model_id=model_id, version=version, persisted=path is not None, path=path)
+
+    def sample(self, requests: list[SampleRequest]) -> list[SampleOutput | ErrorResponse]:
+        """Serve a batch; each request gets its own output or its own error, in order."""
+        results: list[SampleOutput | ErrorResponse | None] = []
+        servable: list[SampleRequest] = []
+        for request in requests:
+            try:
+                servable.append(self._pin(request))
+                results.append(None)
+            except DomainError as exc:
+                results.append(exc.response())
+        outputs = iter(self.engine.generate(servable) if servable else [])
+        return [next(outputs) if result is None else result for result in results]
+
+    def _pin(self, request: SampleRequest) -> SampleRequest:
+        """The request with the snapshot it will be served from, or DomainError if it is not held."""
+        live = self.engine.live_versions(request.model_id)
+        wanted = request.weights_version
+        if not live:
+            raise unknown_model(request.model_id)
+        if wanted is None:
+            return request.model_copy(update={"weights_version": max(live)})
+        if wanted in live:
+            return request
+        if wanted > max(live):
+            raise DomainError(
+                409, "weights_not_ready",
+                f"model {request.model_id!r} has no weights version {wanted} yet (latest applied: {max(live)})",
+                retryable=True,
+            )
+        raise DomainError(
+            410, "snapshot_evicted",
+            f"weights version {wanted} of model {request.model_id!r} is no longer held "
+            f"(live versions: {live}); create a new sampling client from a newer sync",
+        )

@@ -1,0 +1,130 @@
+"""Run each model's training ops in seq_id order, holding ops that arrive early.
+
+The Tinker client posts the first chunk of a large forward_backward last, so op n+1 may be
+dequeued before op n. An early op is parked in Redis (payload and a deadline) and finishes as a
+no-op RQ job; when its predecessor has run, the worker runs it. One that waits past its deadline
+gets an ErrorResponse, and the model's sequence moves past it so later ops are not wedged.
+"""
+
+import json
+import time
+from collections.abc import Callable
+
+from redis import Redis
+
+from schemas import ErrorResponse, Request, parse_request
+from tinkerq import keys
+from worker.fencing import Fence
+
+Execute = Callable[[int, str, Request], None]
+Finish = Callable[[int, str, ErrorResponse], None]
+
+
+def _creates_model(request: Request) -> bool:
+    # Tinker's create-via-load sends load_weights without a seq_id: it is the model's seq 0.
+    return request.kind == "create_model" or (request.kind == "load_state" and request.seq_id is None)
+
+
+class Sequencer:
+    def __init__(self, connection: Redis, fence: Fence, gap_timeout_s: float, execute: Execute, finish: Finish):
+        self.connection = connection
+        self.fence = fence
+        self.gap_timeout_s = gap_timeout_s
+        self.execute = execute
+        self.finish = finish
+
+    def last_seq(self, model_id: str) -> int:
+        return int(self.connection.get(keys.model_key(model_id, "seq")) or 0)
+
+    def submit(self, shard: int, rid: str, request: Request) -> str:
+        """Run the op now, or hold it. Returns what happened: "ran", "held" or "rejected"."""
+        model_id, seq_id = request.model_id, request.seq_id
+        if _creates_model(request):
+            self.execute(shard, rid, request)
+            self.fence.set_counter(shard, keys.model_key(model_id, "seq"), seq_id or 0, only_up=False)
+            self.drain(shard, model_id)
+            return "ran"
+        if seq_id is None:
+            self.execute(shard, rid, request)
+            return "ran"
+        last = self.last_seq(model_id)
+        if seq_id <= last:
+            self.finish(shard, rid, _stale(model_id, seq_id, last))
+            return "rejected"
+        if seq_id > last + 1:
+            self._hold(shard, rid, request)
+            return "held"
+        self._run_in_order(shard, rid, request)
+        self.drain(shard, model_id)
+        return "ran"
+
+    def _run_in_order(self, shard: int, rid: str, request: Request) -> None:
+        self.execute(shard, rid, request)
+        self.fence.set_counter(shard, keys.model_key(request.model_id, "seq"), request.seq_id)
+
+    def _hold(self, shard: int, rid: str, request: Request) -> None:
+        with self.connection.pipeline() as pipe:
+            pipe.hset(keys.model_key(request.model_id, "held_payload"), rid, request.model_dump_json())
+            pipe.zadd(keys.model_key(request.model_id, "held"), {rid: request.seq_id})
+            pipe.zadd(keys.held_deadlines_key(shard), {_member(rid, request.model_id): time.time() + self.gap_timeout_s})
+            pipe.execute()
+
+    def _claim(self, shard: int, rid: str, model_id: str) -> Request | None:
+        """Take a held op out of the parked set; None if someone else already did."""
+        if not self.connection.zrem(keys.model_key(model_id, "held"), rid):
+            return None
+        with self.connection.pipeline() as pipe:
+            pipe.hget(keys.model_key(model_id, "held_payload"), rid)
+            pipe.hdel(keys.model_key(model_id, "held_payload"), rid)
+            pipe.zrem(keys.held_deadlines_key(shard), _member(rid, model_id))
+            payload = pipe.execute()[0]
+        return parse_request(json.loads(payload)) if payload else None
+
+    def drain(self, shard: int, model_id: str) -> None:
+        """Run parked ops of the model while the next one in sequence is there."""
+        while True:
+            head = self.connection.zrange(keys.model_key(model_id, "held"), 0, 0, withscores=True)
+            if not head:
+                return
+            rid, seq_id = head[0][0].decode(), int(head[0][1])
+            last = self.last_seq(model_id)
+            if seq_id > last + 1:
+                return
+            request = self._claim(shard, rid, model_id)
+            if request is None:
+                continue
+            if seq_id <= last:
+                self.finish(shard, rid, _stale(model_id, seq_id, last))
+            else:
+                self._run_in_order(shard, rid, request)
+
+    def sweep(self, shard: int) -> None:
+        """Answer parked ops whose gap did not fill in time, and let their models move on."""
+        expired = self.connection.zrangebyscore(keys.held_deadlines_key(shard), "-inf", time.time())
+        for member in expired:
+            rid, model_id = member.decode().split("|", 1)
+            seq_id = self.connection.zscore(keys.model_key(model_id, "held"), rid)
+            request = self._claim(shard, rid, model_id)
+            self.connection.zrem(keys.held_deadlines_key(shard), member)
+            if request is None:
+                continue
+            expected = self.last_seq(model_id) + 1
+            self.finish(shard, rid, ErrorResponse(
+                error=f"seq_id {int(seq_id)} of model {model_id!r} waited {self.gap_timeout_s:g}s "
+                f"for seq_id {expected}, which never arrived",
+                status=408, code="seq_gap_timeout", retryable=False,
+            ))
+            self.fence.set_counter(shard, keys.model_key(model_id, "seq"), int(seq_id))
+            self.drain(shard, model_id)
+
+
+def _member(rid: str, model_id: str) -> str:
+    return f"{rid}|{model_id}"
+
+
+def _stale(model_id: str, seq_id: int, last: int) -> ErrorResponse:
+    return ErrorResponse(
+        error=f"seq_id {seq_id} of model {model_id!r} comes after seq_id {last} already ran; "
+        "it cannot run out of order",
+        status=409, code="stale_seq_id",
+    )
