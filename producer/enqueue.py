@@ -77,7 +77,7 @@ class Producer:
             self.limits.check(request)
         except LimitExceeded as exc:
             raise Rejected.of(400, "limit_exceeded", str(exc)) from exc
-        rid = request_id or new_request_id(request.kind[:2])
+        rid = new_request_id(request.kind[:2]) if request_id is None else request_id
         if not _ID_RE.match(rid):
             raise Rejected.of(400, "invalid_request_id", f"request id {rid!r} must match {ID_PATTERN}")
         with self.connection.pipeline() as pipe:

@@ -1,7 +1,6 @@
 """Turn one dequeued job into exactly one stored result (or a parked training op)."""
 
 import logging
-import traceback
 from typing import Any
 
 from pydantic import ValidationError
@@ -109,12 +108,15 @@ class Dispatcher:
         """RQ exception handler: the job raised or timed out; its request still gets one result."""
         if isinstance(exc, FencedOut):
             return  # the new owner will run it again
-        timed_out = exc_type.__name__ == "JobTimeoutException"
-        error = ErrorResponse(
-            error=f"{exc_type.__name__}: {exc}" if not timed_out else f"the job exceeded its time limit: {exc}",
-            status=504 if timed_out else 500,
-            code="timeout" if timed_out else "internal_error",
-            retryable=True,
-        )
-        log.debug("storing internal error for %s: %s", job.id, "".join(traceback.format_exception_only(exc)))
-        self.fail(shard_of_queue(job.origin), job.id, error)
+        self.fail(shard_of_queue(job.origin), job.id, classify(exc_type, exc))
+
+
+def classify(exc_type: type, exc: BaseException) -> ErrorResponse:
+    """The ErrorResponse for an exception that escaped a job."""
+    name = exc_type.__name__
+    if name == "JobTimeoutException":
+        return ErrorResponse(error=f"the job exceeded its time limit: {exc}", status=504, code="timeout",
+                             retryable=True)
+    if name in ("DeserializationError", "ForbiddenJob"):
+        return ErrorResponse(error=f"the job could not be run: {exc}", status=400, code="invalid_job")
+    return ErrorResponse(error=f"{name}: {exc}", status=500, code="internal_error", retryable=True)

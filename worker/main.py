@@ -58,6 +58,7 @@ class WorkerProcess:
         return taken
 
     def run(self, burst: bool = False, logging_level: str = "INFO") -> None:
+        self._stopping.clear()
         keeper = threading.Thread(target=self._keep_leases, name="tinkerq-lease-keeper", daemon=True)
         keeper.start()
         try:

@@ -1,0 +1,33 @@
+# Two commands do everything:  `make demo`  and  `make test`.  Both install what they need.
+VENV    ?= .venv
+PYTHON  ?= python3
+EXTRAS  ?= test,dashboard,torch
+comma   := ,
+STAMP   := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
+PYTEST_ARGS ?=
+
+.PHONY: install test demo bench dashboard clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	# torch comes from the CPU wheel on disk where there is one (pip's find-links); see README.
+	$(VENV)/bin/pip install -q -e '.[$(EXTRAS)]' --config-settings editable_mode=compat
+	touch $@
+
+test: install
+	scripts/with-redis.sh $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+demo: install
+	scripts/with-redis.sh $(VENV)/bin/tinkerq demo $(DEMO_ARGS)
+
+bench: install
+	scripts/with-redis.sh $(VENV)/bin/python bench/queue_overhead.py
+
+dashboard: install
+	$(VENV)/bin/rq-dashboard --json -b 127.0.0.1 -p 9181 -u $${REDIS_URL:-redis://127.0.0.1:6379/0}
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis checkpoints demo-out

@@ -1,0 +1,25 @@
+"""A runtime whose engine misbehaves on cue, for failure-path tests (loaded as `faulty_runtime:make`)."""
+
+import time
+from pathlib import Path
+
+from tinkerq.config import RuntimeConfig
+from worker.runtime import Runtime
+from worker.runtime.reference import ReferenceEngine, ReferenceTrainer
+
+EXPLODE = 666  # first prompt token that makes generate() raise
+STALL = 777  # first prompt token that makes generate() take 3 s
+
+
+class FaultyEngine(ReferenceEngine):
+    def generate(self, requests):
+        firsts = {r.prompt_tokens[0] for r in requests}
+        if EXPLODE in firsts:
+            raise RuntimeError("engine exploded")
+        if STALL in firsts:
+            time.sleep(3)
+        return super().generate(requests)
+
+
+def make(config: RuntimeConfig) -> Runtime:
+    return Runtime(ReferenceTrainer(Path(config.checkpoint_root)), FaultyEngine(config.max_snapshots))

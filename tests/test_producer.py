@@ -1,0 +1,114 @@
+"""Producer library on fakeredis: idempotency, versions, backpressure, serialization."""
+
+import json
+import zlib
+
+import pytest
+
+from producer import Producer, Rejected
+from schemas import (
+    CreateModelRequest,
+    ForwardBackwardRequest,
+    Limits,
+    OptimStepRequest,
+    SampleRequest,
+    WeightSyncRequest,
+)
+from tinkerq import keys
+from tinkerq.config import QueueConfig
+
+
+@pytest.fixture
+def producer(fake):
+    return Producer(fake, QueueConfig(num_shards=4), Limits(max_shard_queue_depth=5))
+
+
+def queued(fake, producer, model_id):
+    return [i.decode() for i in fake.lrange(producer._queues[producer.shard_of(model_id)].key, 0, -1)]
+
+
+def test_request_goes_to_its_models_shard_queue_as_json(fake, producer):
+    ticket = producer.submit(SampleRequest(model_id="m1", prompt_tokens=[5, 6]))
+    assert ticket.shard == keys.shard_of("m1", 4)
+    assert queued(fake, producer, "m1") == [ticket.request_id]
+    raw = fake.hget(f"rq:job:{ticket.request_id}", "data")
+    func, _, args, kwargs = json.loads(zlib.decompress(raw))
+    assert func == "worker.jobs.sample"
+    assert args[0]["prompt_tokens"] == [5, 6] and kwargs == {}
+
+
+def test_weight_syncs_get_increasing_versions_and_samples_pin_the_latest(producer):
+    assert producer.submit(SampleRequest(model_id="m", prompt_tokens=[1])).version == 0
+    assert producer.submit(WeightSyncRequest(model_id="m")).version == 1
+    assert producer.submit(WeightSyncRequest(model_id="m", name="ckpt")).version == 2
+    assert producer.submit(SampleRequest(model_id="m", prompt_tokens=[1])).version == 2
+    assert producer.submit(SampleRequest(model_id="m", prompt_tokens=[1], weights_version=1)).version == 1
+    assert producer.submit(WeightSyncRequest(model_id="other")).version == 1
+
+
+def test_same_request_id_twice_enqueues_once(fake, producer):
+    request = SampleRequest(model_id="m", prompt_tokens=[1])
+    first = producer.submit(request, request_id="req-1")
+    again = producer.submit(request, request_id="req-1")
+    assert (first.duplicate, again.duplicate) == (False, True)
+    assert again.request_id == "req-1" and again.version == first.version
+    assert queued(fake, producer, "m") == ["req-1"]
+
+
+def test_same_request_id_with_another_body_is_rejected(fake, producer):
+    producer.submit(SampleRequest(model_id="m", prompt_tokens=[1]), request_id="req-1")
+    with pytest.raises(Rejected) as info:
+        producer.submit(SampleRequest(model_id="m", prompt_tokens=[2]), request_id="req-1")
+    assert info.value.error.status == 409 and info.value.error.code == "idempotency_conflict"
+    assert queued(fake, producer, "m") == ["req-1"]
+
+
+def test_resent_model_seq_id_returns_the_first_request_id(fake, producer):
+    op = OptimStepRequest(model_id="m", seq_id=3)
+    first = producer.submit(op)
+    again = producer.submit(op)  # the SDK retries with a fresh idempotency key: a new request id
+    assert again.request_id == first.request_id and again.duplicate
+    with pytest.raises(Rejected, match="seq_id=3"):
+        producer.submit(ForwardBackwardRequest(model_id="m", seq_id=3, data=[{"model_input": [1]}]))
+    assert queued(fake, producer, "m") == [first.request_id]
+
+
+def test_full_shard_queue_is_a_retryable_rejection_and_enqueues_nothing(fake, producer):
+    for i in range(5):
+        producer.submit(SampleRequest(model_id="m", prompt_tokens=[i + 1]))
+    with pytest.raises(Rejected) as info:
+        producer.submit(WeightSyncRequest(model_id="m"))
+    assert info.value.error.status == 429 and info.value.error.retryable
+    assert len(queued(fake, producer, "m")) == 5
+    assert fake.get(keys.model_key("m", "wver")) is None  # no version was consumed
+
+
+def test_a_duplicate_is_still_answered_when_the_queue_is_full(producer):
+    first = producer.submit(SampleRequest(model_id="m", prompt_tokens=[1]), request_id="keep")
+    for i in range(4):
+        producer.submit(SampleRequest(model_id="m", prompt_tokens=[i + 2]))
+    assert producer.submit(SampleRequest(model_id="m", prompt_tokens=[1]), request_id="keep") == \
+        type(first)("keep", first.shard, first.version, duplicate=True)
+
+
+def test_limits_are_checked_before_enqueue(fake, producer):
+    with pytest.raises(Rejected) as info:
+        producer.submit(SampleRequest(model_id="m", prompt_tokens=[1], num_samples=10_000))
+    assert info.value.error.status == 400 and "num_samples" in info.value.error.error
+    assert queued(fake, producer, "m") == []
+
+
+@pytest.mark.parametrize("rid", ["has:colon", "has space", "", "x" * 200, "../x"])
+def test_request_ids_must_be_safe_for_keys(producer, rid):
+    with pytest.raises(Rejected, match="must match"):
+        producer.submit(CreateModelRequest(model_id="m", base_model="b"), request_id=rid)
+
+
+def test_shard_count_is_fixed_per_deployment(fake, producer):
+    with pytest.raises(RuntimeError, match="fixed per deployment"):
+        Producer(fake, QueueConfig(num_shards=8))
+
+
+def test_dashboard_description_does_not_leak_prompts(fake, producer):
+    ticket = producer.submit(SampleRequest(model_id="m", prompt_tokens=[31337]))
+    assert b"31337" not in fake.hget(f"rq:job:{ticket.request_id}", "description")

@@ -1,0 +1,244 @@
+"""The worker against real Redis, in process (burst mode): order, batching, versions, failures."""
+
+import json
+import threading
+import time
+import zlib
+
+import pytest
+from rq import Queue
+from rq.job import Job, JobStatus
+from rq.registry import StartedJobRegistry
+
+from conftest import burst_worker
+from producer import Producer
+from schemas import (
+    CreateModelRequest,
+    Datum,
+    ErrorResponse,
+    ForwardBackwardRequest,
+    OptimStepRequest,
+    SampleOutput,
+    SampleRequest,
+    WeightSyncRequest,
+)
+from tinkerq import keys
+from tinkerq.config import QueueConfig
+
+M = "sess:train:0"
+
+
+@pytest.fixture
+def producer(r, config):
+    return Producer(r, config)
+
+
+def drain(r, config, tmp_path, **runtime):
+    worker = burst_worker(r, config, tmp_path, **runtime)
+    worker.run(burst=True, logging_level="WARNING")
+    return worker
+
+
+def create(producer, model_id=M):
+    return producer.submit(CreateModelRequest(model_id=model_id, base_model="reference"))
+
+
+def sample(producer, model_id=M, **kw):
+    return producer.submit(SampleRequest(model_id=model_id, prompt_tokens=kw.pop("prompt", [1, 2]), **kw))
+
+
+def result(producer, ticket):
+    out = producer.get(ticket.request_id)
+    assert out is not None, f"no result for {ticket}"
+    return out
+
+
+def test_a_sync_lands_before_every_later_sample_and_after_every_earlier_one(r, producer, config, tmp_path):
+    create(producer)
+    before = [sample(producer) for _ in range(3)]
+    sync = producer.submit(WeightSyncRequest(model_id=M))
+    after = [sample(producer) for _ in range(3)]
+    drain(r, config, tmp_path)
+    assert result(producer, sync).version == 1
+    for ticket, version in [(t, 0) for t in before] + [(t, 1) for t in after]:
+        out = result(producer, ticket)
+        assert isinstance(out, SampleOutput) and out.weights_version == version
+        assert {tok for seq in out.sequences for tok in seq.tokens} == {version}
+
+
+def test_samples_between_barriers_reach_the_engine_as_one_batch(r, producer, config, tmp_path):
+    create(producer)
+    create(producer, "other")
+    first = [sample(producer) for _ in range(5)]
+    producer.submit(WeightSyncRequest(model_id=M))
+    # samples of another model may be served past M's sync; M's own later samples may not
+    mixed = [sample(producer, "other") for _ in range(3)] if keys.shard_of("other", 4) == keys.shard_of(M, 4) else []
+    later = [sample(producer) for _ in range(4)]
+    worker = drain(r, config, tmp_path)
+    batches = worker.dispatcher.runtime.engine.batches
+    assert batches[0] == 5 + len(mixed), batches
+    assert sum(batches) == len(first) + len(mixed) + len(later)
+    assert {result(producer, t).weights_version for t in later} == {1}
+
+
+def test_training_ops_run_in_seq_order_even_when_the_first_chunk_arrives_last(r, producer, config, tmp_path):
+    create(producer)
+    datum = Datum(model_input=[1, 2, 3])
+    # seq 1 and 2 are chunks of one forward_backward: chunk 2 is posted first, as the SDK does
+    chunk2 = producer.submit(ForwardBackwardRequest(model_id=M, seq_id=2, data=[datum]))
+    optim = producer.submit(OptimStepRequest(model_id=M, seq_id=3))
+    chunk1 = producer.submit(ForwardBackwardRequest(model_id=M, seq_id=1, data=[datum, datum]))
+    after = producer.submit(ForwardBackwardRequest(model_id=M, seq_id=4, data=[datum]))
+    drain(r, config, tmp_path)
+    # both chunks ran before the step (they saw step 0), and the step applied all 3 datums
+    assert result(producer, chunk1).metrics["step:max"] == 0
+    assert result(producer, chunk2).metrics["step:max"] == 0
+    assert result(producer, optim).metrics == {"step:max": 1.0, "datums:sum": 3.0}
+    assert result(producer, after).metrics["step:max"] == 1
+
+
+def test_a_seq_gap_that_never_fills_ends_in_an_error_and_later_ops_go_on(r, producer, config, tmp_path):
+    create(producer)
+    early = producer.submit(OptimStepRequest(model_id=M, seq_id=2))  # seq 1 never comes
+    worker = burst_worker(r, config, tmp_path)
+    worker.run(burst=True, logging_level="WARNING")
+    assert producer.get(early.request_id) is None  # held, not answered yet
+    time.sleep(config.seq_gap_timeout_s + 0.1)
+    worker.take_free_shards()
+    worker._tick()
+    out = result(producer, early)
+    assert isinstance(out, ErrorResponse) and out.code == "seq_gap_timeout" and out.status == 408
+    next_op = producer.submit(OptimStepRequest(model_id=M, seq_id=3))
+    late = producer.submit(OptimStepRequest(model_id=M, seq_id=1))
+    worker.run(burst=True, logging_level="WARNING")
+    assert result(producer, next_op).type == "optim_step"
+    assert result(producer, late).code == "stale_seq_id"
+
+
+def test_old_snapshots_are_served_exactly_until_evicted(r, producer, config, tmp_path):
+    create(producer)
+    syncs = [producer.submit(WeightSyncRequest(model_id=M)) for _ in range(5)]
+    pinned = {v: sample(producer, weights_version=v) for v in (0, 1, 2, 5)}
+    future = sample(producer, weights_version=9)
+    drain(r, config, tmp_path, max_snapshots=4)
+    assert [result(producer, s).version for s in syncs] == [1, 2, 3, 4, 5]
+    for v in (0, 1):
+        assert result(producer, pinned[v]).code == "snapshot_evicted"
+    for v in (2, 5):
+        assert result(producer, pinned[v]).weights_version == v
+    out = result(producer, future)
+    assert out.code == "weights_not_ready" and out.status == 409
+
+
+def test_unknown_model_gets_an_error_not_a_crash(r, producer, config, tmp_path):
+    lost = sample(producer, "nobody")
+    optim = producer.submit(OptimStepRequest(model_id="nobody"))
+    sync = producer.submit(WeightSyncRequest(model_id="nobody"))
+    drain(r, config, tmp_path)
+    for ticket in (lost, optim, sync):
+        out = result(producer, ticket)
+        assert out.status == 404 and out.code == "unknown_model"
+
+
+def test_replayed_sync_is_a_no_op(r, producer, config, tmp_path):
+    create(producer)
+    sync = producer.submit(WeightSyncRequest(model_id=M, name="first"))
+    worker = drain(r, config, tmp_path)
+    assert result(producer, sync).persisted
+    # the dashboard's "requeue" (or a recovery) runs the same job again
+    r.delete(keys.result_key(sync.request_id))
+    Queue(keys.queue_name(sync.shard), connection=r, serializer="json").push_job_id(sync.request_id)
+    worker.run(burst=True, logging_level="WARNING")
+    replay = result(producer, sync)
+    assert replay.version == 1 and replay.applied is False and replay.persisted
+
+
+def raw_job(r, shard, job_id, func, args, kwargs=None):
+    queue = Queue(keys.queue_name(shard), connection=r, serializer="json")
+    queue.enqueue_call(func, args=args, kwargs=kwargs or {}, job_id=job_id)
+
+
+def test_garbage_jobs_get_error_results_and_the_worker_keeps_serving(r, producer, config, tmp_path):
+    create(producer)
+    shard = keys.shard_of(M, 4)
+    qname = keys.queue_name(shard)
+    # 1) bytes that are neither zlib nor JSON, pushed straight into Redis
+    r.hset("rq:job:garbage-1", mapping={"data": b"\x00{not json", "status": "queued", "origin": qname,
+                                        "created_at": "2026-01-01T00:00:00.000000Z"})
+    r.rpush(f"rq:queue:{qname}", "garbage-1")
+    # 2) valid JSON, but a function outside the allowlist (it would create a directory)
+    pwned = tmp_path / "pwned"
+    raw_job(r, shard, "evil-1", "os.mkdir", [str(pwned)])
+    # 3) right function, wrong arguments; 4) schema-invalid payload; 5) a job on the wrong shard
+    raw_job(r, shard, "arity-1", "worker.jobs.sample", [1, 2])
+    raw_job(r, shard, "schema-1", "worker.jobs.sample", [{"kind": "sample", "model_id": M, "prompt_tokens": []}])
+    other = next(m for m in (f"m{i}" for i in range(100)) if keys.shard_of(m, 4) != shard)
+    raw_job(r, shard, "shard-1", "worker.jobs.sample", [{"kind": "sample", "model_id": other, "prompt_tokens": [1]}])
+    # 6) undecodable job hash fields: RQ cannot even load the job
+    r.hset("rq:job:unloadable-1", mapping={"data": zlib.compress(b"[]"), "status": "not-a-status",
+                                           "origin": qname})
+    r.rpush(f"rq:queue:{qname}", "unloadable-1")
+    good = sample(producer)
+    drain(r, config, tmp_path)
+    codes = {rid: result(producer, type("T", (), {"request_id": rid})).code
+             for rid in ("garbage-1", "evil-1", "arity-1", "schema-1", "shard-1", "unloadable-1")}
+    assert codes == {"garbage-1": "invalid_job", "evil-1": "invalid_job", "arity-1": "invalid_job",
+                     "schema-1": "invalid_request", "shard-1": "wrong_shard", "unloadable-1": "invalid_job"}
+    assert not pwned.exists()
+    assert isinstance(result(producer, good), SampleOutput)
+    # infrastructure-level refusals are RQ FAILED (for the dashboard); domain errors are not
+    assert Job.fetch("evil-1", connection=r, serializer="json").get_status() == JobStatus.FAILED
+    assert Job.fetch("schema-1", connection=r, serializer="json").get_status() == JobStatus.FINISHED
+
+
+def test_a_job_that_raises_or_times_out_still_gets_exactly_one_result(r, producer, config, tmp_path):
+    import faulty_runtime
+
+    config = config.model_copy(update={"job_timeout_s": 1})
+    producer = Producer(r, config)
+    create(producer)
+    boom = sample(producer, prompt=[faulty_runtime.EXPLODE])
+    producer.submit(WeightSyncRequest(model_id=M))  # a barrier, so the stall is not batched with boom
+    stall = sample(producer, prompt=[faulty_runtime.STALL])
+    producer.submit(WeightSyncRequest(model_id=M))
+    fine = sample(producer)
+    drain(r, config, tmp_path, runtime="faulty_runtime:make")
+    assert (result(producer, boom).code, result(producer, boom).status) == ("internal_error", 500)
+    assert (result(producer, stall).code, result(producer, stall).status) == ("timeout", 504)
+    assert result(producer, fine).weights_version == 2
+    assert Job.fetch(boom.request_id, connection=r, serializer="json").get_status() == JobStatus.FAILED
+
+
+def test_heartbeats_continue_while_a_long_job_runs(r, producer, config, tmp_path):
+    import faulty_runtime
+
+    config = config.model_copy(update={"lease_ttl_ms": 1500})
+    create(producer)
+    stall = sample(producer, prompt=[faulty_runtime.STALL])
+    registry = StartedJobRegistry(keys.queue_name(stall.shard), connection=r)
+    scores: list[float] = []
+
+    def watch():
+        for _ in range(6):
+            time.sleep(0.45)
+            score = r.zscore(registry.key, next(iter(r.zrange(registry.key, 0, -1)), b""))
+            if score:
+                scores.append(score)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    drain(r, config, tmp_path, runtime="faulty_runtime:make")
+    watcher.join()
+    assert result(producer, stall).type == "sample"
+    assert len(scores) >= 3 and scores[-1] > scores[0] + 0.5, scores  # the registry entry was refreshed
+
+
+def test_results_expire_and_rq_keeps_only_a_summary(r, producer, config, tmp_path):
+    config = config.model_copy(update={"result_ttl_s": 30})
+    create(producer)
+    ticket = sample(producer, num_samples=4)
+    drain(r, config, tmp_path)
+    assert 0 < r.ttl(keys.result_key(ticket.request_id)) <= 30
+    job = Job.fetch(ticket.request_id, connection=r, serializer="json")
+    assert job.return_value() == {"request_id": ticket.request_id, "type": "sample", "batch": 1}
+    assert len(json.dumps(job.return_value())) < 200
