@@ -21,5 +21,12 @@ class FaultyEngine(ReferenceEngine):
         return super().generate(requests)
 
 
+class SlowCreateTrainer(ReferenceTrainer):
+    def create_model(self, request):
+        if request.base_model == "stall":
+            time.sleep(3)
+        return super().create_model(request)
+
+
 def make(config: RuntimeConfig) -> Runtime:
-    return Runtime(ReferenceTrainer(Path(config.checkpoint_root)), FaultyEngine(config.max_snapshots))
+    return Runtime(SlowCreateTrainer(Path(config.checkpoint_root)), FaultyEngine(config.max_snapshots))

@@ -52,7 +52,9 @@ class WorkerProcess:
     def take_free_shards(self) -> list[int]:
         taken = self.fence.acquire(self.wanted)
         for shard in taken:
-            recover(self.connection, self._queue(shard))
+            queue = self._queue(shard)
+            self.connection.sadd(queue.redis_queues_keys, queue.key)  # listed in the dashboard while empty
+            recover(self.connection, queue)
         if taken:
             log.info("worker %s now owns shards %s", self.name, sorted(self.fence.tokens))
         return taken
