@@ -41,6 +41,19 @@ JOB_FUNCTIONS: dict[str, str] = {
 _ID_RE = re.compile(ID_PATTERN)
 
 
+# KEYS: request record, seq claim (or the record again), queue, model version counter.
+# ARGV: request id, request record key prefix.
+# Returns the id first submitted under this request id / (model, seq_id), its digest and version
+# (nil when new), the queue depth and the model's latest enqueued weights version.
+_READ_STATE = """
+local first = ARGV[1]
+if KEYS[2] ~= KEYS[1] then first = redis.call('GET', KEYS[2]) or ARGV[1] end
+local record = ARGV[2] .. first
+local fields = redis.call('HMGET', record, 'digest', 'version')
+return {first, fields[1], fields[2], redis.call('LLEN', KEYS[3]), redis.call('GET', KEYS[4])}
+"""
+
+
 @dataclass(frozen=True)
 class Ticket:
     request_id: str
@@ -63,6 +76,7 @@ class Producer:
         self.limits = limits or Limits()
         check_num_shards(connection, self.config.num_shards)
         self._waiter: ResultWaiter | None = None
+        self._read_state = connection.register_script(_READ_STATE)
         self._queues = [
             Queue(keys.queue_name(k), connection=connection, serializer="json")
             for k in range(self.config.num_shards)
@@ -89,23 +103,25 @@ class Producer:
 
     def _submit_once(self, pipe, request: Request, rid: str, body_digest: str) -> Ticket:
         shard = self.shard_of(request.model_id)
-        seq_id = getattr(request, "seq_id", None)
-        watched = [keys.request_key(rid), keys.model_key(request.model_id, "wver")]
-        if seq_id is not None:
-            watched.append(keys.seq_key(request.model_id, seq_id))
-        pipe.watch(*watched)
-        duplicate = self._find_duplicate(pipe, rid, request.model_id, seq_id, body_digest, shard)
-        if duplicate:
-            return duplicate
         queue = self._queues[shard]
-        depth = pipe.llen(queue.key)
+        seq_id = getattr(request, "seq_id", None)
+        seq_key = keys.seq_key(request.model_id, seq_id) if seq_id is not None else keys.request_key(rid)
+        wver_key = keys.model_key(request.model_id, "wver")
+        pipe.watch(keys.request_key(rid), wver_key, seq_key)
+        # One round trip for everything the decision needs; WATCH makes the MULTI below atomic with it.
+        first_rid, first_digest, first_version, depth, latest = self._read_state(
+            keys=[keys.request_key(rid), seq_key, queue.key, wver_key], args=[rid, keys.request_key("")], client=pipe
+        )
+        first_rid = first_rid.decode() if first_rid else rid
+        if first_digest is not None or first_rid != rid:
+            return self._duplicate(request, rid, first_rid, first_digest, first_version, body_digest, shard)
         if depth >= self.limits.max_shard_queue_depth:
             raise Rejected.of(
                 429, "queue_full",
                 f"shard {shard} has {depth} queued jobs (limit {self.limits.max_shard_queue_depth}); retry later",
                 retryable=True,
             )
-        request, version = self._stamp_version(pipe, request)
+        request, version = self._stamp_version(request, int(latest or 0))
         pipe.multi()
         self._record(pipe, request, rid, shard, body_digest, seq_id)
         queue.enqueue_call(
@@ -122,27 +138,20 @@ class Producer:
         pipe.execute()
         return Ticket(rid, shard, version)
 
-    def _find_duplicate(
-        self, pipe, rid: str, model_id: str, seq_id: int | None, body_digest: str, shard: int
-    ) -> Ticket | None:
-        first_rid = rid
-        if seq_id is not None:
-            stored = pipe.get(keys.seq_key(model_id, seq_id))
-            if stored is not None:
-                first_rid = stored.decode()
-        record = pipe.hgetall(keys.request_key(first_rid))
-        if not record:
-            if first_rid != rid:
-                return Ticket(first_rid, shard, duplicate=True)  # record expired; the seq claim stands
-            return None
-        if record[b"digest"].decode() != body_digest:
-            where = f"(model_id={model_id}, seq_id={seq_id})" if first_rid != rid else f"request id {rid}"
+    @staticmethod
+    def _duplicate(
+        request: Request, rid: str, first_rid: str, first_digest: bytes | None, first_version: bytes | None,
+        body_digest: str, shard: int,
+    ) -> Ticket:
+        if first_digest is not None and first_digest.decode() != body_digest:
+            seq_id = getattr(request, "seq_id", None)
+            where = f"(model_id={request.model_id}, seq_id={seq_id})" if first_rid != rid else f"request id {rid}"
             raise Rejected.of(409, "idempotency_conflict", f"{where} was already used with a different body")
-        version = record.get(b"version")
-        return Ticket(first_rid, shard, int(version) if version else None, duplicate=True)
+        # With no record left (expired) the seq claim still stands: answer with the first id.
+        return Ticket(first_rid, shard, int(first_version) if first_version else None, duplicate=True)
 
-    def _stamp_version(self, pipe, request: Request) -> tuple[Request, int | None]:
-        latest = int(pipe.get(keys.model_key(request.model_id, "wver")) or 0)
+    @staticmethod
+    def _stamp_version(request: Request, latest: int) -> tuple[Request, int | None]:
         if isinstance(request, WeightSyncRequest):
             return request.model_copy(update={"version": latest + 1}), latest + 1
         if isinstance(request, SampleRequest):
@@ -178,6 +187,10 @@ class Producer:
         if self._waiter is None:
             self._waiter = ResultWaiter(self.connection)
         return self._waiter.wait(request_id, timeout)
+
+    def close(self) -> None:
+        if self._waiter is not None:
+            self._waiter.close()
 
     def queue_depths(self) -> list[int]:
         with self.connection.pipeline(transaction=False) as pipe:

@@ -53,6 +53,8 @@ class ResultWaiter:
                     if message is not None:
                         self._wake(message["data"].decode())
             except Exception:  # noqa: BLE001 - reconnect on any connection trouble
+                if self._closed:
+                    return
                 log.warning("result waiter lost its pub/sub connection; reconnecting", exc_info=True)
                 time.sleep(0.5)
             finally:
@@ -93,3 +95,5 @@ class ResultWaiter:
 
     def close(self) -> None:
         self._closed = True
+        if self._thread is not None:
+            self._thread.join(timeout=3)

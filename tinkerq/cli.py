@@ -44,6 +44,21 @@ def worker(
 
 
 @app.command()
+def demo(
+    runtime: Annotated[str, typer.Option(help="torch (an RL loop) | reference (ordering only)")] = "torch",
+    model: Annotated[str, typer.Option(help="base model for the torch runtime")] = "tinyq-micro",
+    steps: Annotated[int, typer.Option(help="training steps")] = 30,
+    workdir: Annotated[str, typer.Option(help="where logs, checkpoints and plots go")] = "demo-out",
+) -> None:
+    """Start a worker (and a Redis, if REDIS_URL is unset) and run a short loop through the queue."""
+    from pathlib import Path
+
+    from tinkerq.demo import run
+
+    run(runtime, steps, Path(workdir), model)
+
+
+@app.command()
 def shard(model_id: str) -> None:
     """Print the shard a model id routes to (for the configured TINKERQ_NUM_SHARDS)."""
     from tinkerq.config import QueueConfig

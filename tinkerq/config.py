@@ -32,5 +32,7 @@ class RuntimeConfig(BaseSettings):
     checkpoint_root: str = "./checkpoints"
     # Live weight snapshots per model: a sampling session pinned to an older one gets an explicit error.
     max_snapshots: int = Field(4, ge=1)
+    device: str = Field("auto", description="torch runtime: auto | cpu | cuda | cuda:N")
+    dtype: str = Field("float32", description="torch runtime: float32 | bfloat16 | float16")
     # Test aid for the reference engine: simulated generation time per token.
     reference_delay_per_token_s: float = Field(0.0, ge=0.0)

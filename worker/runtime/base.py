@@ -49,8 +49,9 @@ class Engine(ABC):
         """Snapshot versions this engine can serve for the model, oldest first ([] if unknown)."""
 
     @abstractmethod
-    def generate(self, requests: list[SampleRequest]) -> list[SampleOutput]:
-        """Serve every request from its own `weights_version`, all in one batch where possible."""
+    def generate(self, requests: list[SampleRequest]) -> list[SampleOutput | ErrorResponse]:
+        """Serve every request from its own `weights_version`, all in one batch where possible.
+        A request the engine cannot serve (too long for the context, ...) gets its own error."""
 
     def remove_model(self, model_id: str) -> None:  # noqa: B027 - optional
         """Drop every snapshot of a model."""

@@ -1,0 +1,136 @@
+"""Queue overhead: a trivial sample through producer -> Redis -> worker -> result -> waiter,
+beside a bare RQ no-op job measured the same way, plus enqueue throughput. One run, one machine.
+
+    python bench/queue_overhead.py [--n 300]      (REDIS_URL, or a private redis-server is started)
+
+Prints a table and writes bench/out/queue_overhead.json.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from redis import Redis
+from rq import Queue, SimpleWorker
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from producer import Producer  # noqa: E402
+from schemas import CreateModelRequest, SampleRequest, SamplingParams  # noqa: E402
+from tinkerq.config import QueueConfig  # noqa: E402
+from tinkerq.redis_server import EmbeddedRedis  # noqa: E402
+
+BARE_QUEUE = "bench.bare"
+
+
+def percentiles(samples_s: list[float]) -> dict[str, float]:
+    ms = sorted(s * 1000 for s in samples_s)
+    return {"p50_ms": statistics.median(ms), "p90_ms": ms[int(0.9 * len(ms)) - 1],
+            "p99_ms": ms[int(0.99 * len(ms)) - 1], "mean_ms": statistics.fmean(ms)}
+
+
+def start(cmd: list[str], url: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.Popen([sys.executable, *cmd], env=full_env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, cwd=ROOT)
+
+
+def bare_rq_worker(url: str) -> subprocess.Popen:
+    code = (f"from redis import Redis; from rq import Queue, SimpleWorker; r = Redis.from_url({url!r}); "
+            f"SimpleWorker([Queue({BARE_QUEUE!r}, connection=r, serializer='json')], connection=r, "
+            "serializer='json').work(logging_level='WARNING')")
+    return start(["-c", code], url)
+
+
+def measure_bare(r: Redis, n: int) -> list[float]:
+    queue = Queue(BARE_QUEUE, connection=r, serializer="json")
+    latencies = []
+    for _ in tqdm(range(n), desc="bare RQ no-op", leave=False):
+        t0 = time.perf_counter()
+        job = queue.enqueue("os.getpid", result_ttl=60)
+        assert job.latest_result(timeout=10) is not None
+        latencies.append(time.perf_counter() - t0)
+    return latencies
+
+
+def measure_tinkerq(producer: Producer, n: int) -> list[float]:
+    request = SampleRequest(model_id="bench", prompt_tokens=[1], sampling_params=SamplingParams(max_tokens=1))
+    latencies = []
+    for _ in tqdm(range(n), desc="tinkerq sample", leave=False):
+        t0 = time.perf_counter()
+        ticket = producer.submit(request)
+        assert producer.wait(ticket.request_id, 10) is not None
+        latencies.append(time.perf_counter() - t0)
+    return latencies
+
+
+def enqueue_rate(fn, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return n / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--n", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "out" / "queue_overhead.json"))
+    args = parser.parse_args()
+    with ExitStack() as stack:
+        url = os.environ.get("REDIS_URL") or stack.enter_context(EmbeddedRedis()).url
+        r = Redis.from_url(url)
+        r.flushdb()
+        config = QueueConfig(num_shards=1)
+        producer = Producer(r, config)
+        procs = [bare_rq_worker(url), start(["-m", "tinkerq.cli", "worker", "--redis-url", url, "--log-level",
+                                              "WARNING"], url, {"TINKERQ_NUM_SHARDS": "1"})]
+        stack.callback(lambda: [p.terminate() for p in procs])
+        assert producer.wait(producer.submit(CreateModelRequest(model_id="bench", base_model="ref")).request_id, 60)
+        measure_bare(r, args.warmup)
+        measure_tinkerq(producer, args.warmup)
+        # interleave the two in rounds so drift on a shared 2-core machine hits both alike
+        bare, ours = [], []
+        for _ in range(5):
+            bare += measure_bare(r, args.n // 5)
+            ours += measure_tinkerq(producer, args.n // 5)
+        for p in procs:
+            p.terminate()
+            p.wait()
+        producer.close()
+        r.flushdb()
+        producer = Producer(r, config)
+        queue = Queue("bench.enqueue", connection=r, serializer="json")
+        sample = SampleRequest(model_id="bench", prompt_tokens=[1, 2, 3, 4])
+        rq_rate = enqueue_rate(lambda: queue.enqueue("os.getpid"), 2000)
+        our_rate = enqueue_rate(lambda: producer.submit(sample), 2000)
+    report = {
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, Python {platform.python_version()}",
+        "n": len(ours),
+        "bare_rq": percentiles(bare),
+        "tinkerq": percentiles(ours),
+        "p50_ratio": statistics.median(ours) / statistics.median(bare),
+        "enqueue_per_s": {"bare_rq": rq_rate, "tinkerq": our_rate},
+    }
+    rows = [("bare RQ no-op", report["bare_rq"]), ("tinkerq sample", report["tinkerq"])]
+    print(f"\n{'path':<16}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'mean ms':>9}")
+    for name, p in rows:
+        print(f"{name:<16}{p['p50_ms']:>9.2f}{p['p90_ms']:>9.2f}{p['p99_ms']:>9.2f}{p['mean_ms']:>9.2f}")
+    print(f"p50 ratio tinkerq / bare RQ: {report['p50_ratio']:.2f}  (target <= 1.3, and p50 < 3 ms)")
+    print(f"enqueue: bare RQ {rq_rate:,.0f}/s, tinkerq {our_rate:,.0f}/s")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

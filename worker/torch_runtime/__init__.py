@@ -1,0 +1,1 @@
+"""The PyTorch runtime: multi-tenant LoRA trainer (transformers + peft) and a batched sampler."""

@@ -1,0 +1,74 @@
+"""Base models loaded once per worker and shared by the trainer and the sampler.
+
+Each base is one peft model holding every LoRA adapter built on it: the trainer's adapter of each
+model id (trainable), and the engine's frozen snapshot adapters, one per live weights version.
+A batch can mix rows of different adapters (peft's `adapter_names`), so one forward pass serves
+samples of many models and versions at once.
+"""
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from worker.runtime.base import DomainError
+from worker.torch_runtime import local_models
+
+BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed batch
+
+
+def adapter_name(model_id: str, version: int | None = None) -> str:
+    # peft adapter names become module keys: no '.', and a hash keeps ids of any shape safe.
+    stem = "m" + hashlib.blake2b(model_id.encode(), digest_size=8).hexdigest()
+    return stem if version is None else f"{stem}_v{version}"
+
+
+@dataclass
+class LoadedBase:
+    name: str
+    path: Path
+    tokenizer: PreTrainedTokenizerBase
+    model: torch.nn.Module  # a PeftModel once the first adapter exists
+    device: torch.device
+    adapters: set[str] = field(default_factory=set)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def add_adapter(self, name: str, config: LoraConfig) -> None:
+        if isinstance(self.model, PeftModel):
+            self.model.add_adapter(name, config)
+        else:
+            self.model = get_peft_model(self.model, config, adapter_name=name)
+        self.model.eval()  # dropout is off anyway; peft needs eval mode for mixed-adapter batches
+        self.model.to(self.device)
+        self.adapters.add(name)
+
+    def delete_adapter(self, name: str) -> None:
+        if name in self.adapters:
+            self.model.delete_adapter(name)
+            self.adapters.discard(name)
+
+
+class BaseModels:
+    def __init__(self, device: str = "auto", dtype: str = "float32") -> None:
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.dtype = getattr(torch, dtype)
+        self._loaded: dict[str, LoadedBase] = {}
+
+    def get(self, name: str) -> LoadedBase:
+        if name not in self._loaded:
+            try:
+                path = local_models.resolve(name)
+            except ValueError as exc:
+                raise DomainError(404, "unknown_base_model", str(exc)) from exc
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
+            self._loaded[name] = LoadedBase(name, path, tokenizer, model, self.device)
+        return self._loaded[name]

@@ -1,0 +1,68 @@
+"""Checkpoint archives: written atomically as tar.gz, extracted only when every member is safe."""
+
+import os
+import shutil
+import tarfile
+import tempfile
+from pathlib import Path
+
+from worker.runtime.base import DomainError
+
+DEFAULT_MAX_BYTES = 8 << 30
+
+
+def write_archive(source_dir: Path, target: Path) -> Path:
+    """tar.gz `source_dir`'s files into `target`, via a temp file and rename, so readers never see half."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    os.close(fd)
+    try:
+        with tarfile.open(tmp, "w:gz") as tar:
+            for path in sorted(source_dir.iterdir()):
+                tar.add(path, arcname=path.name, recursive=True)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def _unsafe(member: tarfile.TarInfo) -> str | None:
+    name = member.name
+    if name.startswith("/") or Path(name).is_absolute():
+        return "an absolute path"
+    if ".." in Path(name).parts:
+        return "a '..' component"
+    if member.issym() or member.islnk():
+        return "a link"
+    if member.isdev() or member.isfifo():
+        return "a device or fifo"
+    if not (member.isfile() or member.isdir()):
+        return "an unsupported member type"
+    return None
+
+
+def extract_archive(archive: Path, target: Path, max_bytes: int = DEFAULT_MAX_BYTES) -> Path:
+    """Extract into `target` (created), refusing absolute paths, '..', links, devices and oversize."""
+    if not archive.is_file():
+        raise DomainError(404, "checkpoint_not_found", f"no checkpoint at {str(archive)!r}")
+    try:
+        with tarfile.open(archive, "r:gz") as tar:
+            members = tar.getmembers()
+            total = 0
+            for member in members:
+                reason = _unsafe(member)
+                if reason:
+                    raise DomainError(400, "unsafe_checkpoint", f"{archive.name}: member {member.name!r} is {reason}")
+                total += member.size
+                if total > max_bytes:
+                    raise DomainError(400, "checkpoint_too_large",
+                                      f"{archive.name} unpacks to more than {max_bytes} bytes")
+            target.mkdir(parents=True, exist_ok=True)
+            tar.extractall(target, members=members, filter="data")
+    except DomainError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - truncated gzip, bad headers, zlib errors, ...
+        shutil.rmtree(target, ignore_errors=True)
+        raise DomainError(400, "corrupt_checkpoint", f"{archive.name} is not a readable tar.gz: {exc}") from exc
+    return target

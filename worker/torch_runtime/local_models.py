@@ -1,0 +1,121 @@
+"""Models that need no network: small causal LMs built locally from a seed and cached on disk.
+
+A name like `tinyq-micro` resolves to a Qwen2-architecture model (the family vLLM loads) with a
+byte-level BPE tokenizer trained with `tokenizers` on a synthetic corpus of words and numbers, and
+random weights from a fixed seed. The same name builds the same files on every machine. A path to
+an HF-format directory is used as is.
+"""
+
+import fcntl
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+CACHE = Path(os.environ.get("TINKERQ_MODEL_CACHE", Path.home() / ".cache" / "tinkerq" / "models"))
+FORMAT_VERSION = 1  # bump when the recipe below changes, so stale caches are rebuilt
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    context: int = 1024
+
+
+# hidden/heads >= 32: vLLM's CPU attention supports no smaller head size.
+LOCAL_MODELS: dict[str, Shape] = {
+    "tinyq-micro": Shape(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, vocab=2048),
+    "tinyq-small": Shape(hidden=256, layers=4, heads=8, kv_heads=4, intermediate=768, vocab=4096),
+}
+
+WORDS = (
+    "the a an and or but if then when while of to in on at by for with from up down over under "
+    "cat dog bird fish tree house road river sun moon star sky rain snow wind fire stone water "
+    "red blue green black white small big old new fast slow hot cold good bad happy sad "
+    "run walk jump see look make take give find think say tell ask work play read write sing "
+    "one two three four five six seven eight nine ten many few all some no every each other "
+    "i you he she it we they me him her us them my your his its our their this that these those"
+).split()
+
+
+def corpus(seed: int = 0, lines: int = 20000) -> list[str]:
+    """Words and numbers, so that numbers get tokens of their own (the demo rewards them)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(lines):
+        parts = []
+        for _ in range(rng.randint(4, 14)):
+            parts.append(str(rng.randint(0, 9999)) if rng.random() < 0.4 else rng.choice(WORDS))
+        out.append(" ".join(parts) + rng.choice([".", "!", "?", ",", ";", ":"]))
+    return out
+
+
+def resolve(name_or_path: str) -> Path:
+    """An HF-format directory for a local model name or an existing path."""
+    path = Path(name_or_path)
+    if path.is_dir() and (path / "config.json").exists():
+        return path
+    if name_or_path not in LOCAL_MODELS:
+        known = ", ".join(sorted(LOCAL_MODELS))
+        raise ValueError(f"unknown model {name_or_path!r}: use one of {known}, or a path to an HF-format directory")
+    target = CACHE / f"{name_or_path}-v{FORMAT_VERSION}"
+    if not (target / "done").exists():
+        _build_locked(name_or_path, target)
+    return target
+
+
+def _build_locked(name: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # several workers may start at once
+        if (target / "done").exists():
+            return
+        tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        build(name, LOCAL_MODELS[name], tmp)
+        (tmp / "done").write_text("ok")
+        shutil.rmtree(target, ignore_errors=True)
+        tmp.rename(target)
+
+
+def build(name: str, shape: Shape, out: Path, seed: int = 0) -> None:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    out.mkdir(parents=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|pad|>"]
+    trainer = trainers.BpeTrainer(vocab_size=shape.vocab, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus(seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=specials[0], bos_token=specials[0],
+                                   pad_token=specials[1], model_max_length=shape.context)
+    fast.save_pretrained(out)
+    config = Qwen2Config(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        intermediate_size=shape.intermediate, max_position_embeddings=shape.context,
+        tie_word_embeddings=False, torch_dtype="float32",
+        bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():  # a wider init than HF's 0.02 gives a less uniform, more interesting policy
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.2 if param.shape[-1] == shape.hidden else 0.05)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "tinkerq.json").write_text(json.dumps({"name": name, "seed": seed, "format": FORMAT_VERSION}))

@@ -1,0 +1,71 @@
+"""Moving LoRA weights between the trainer, the sampler and disk (peft and HF formats)."""
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
+from peft.tuners.lora import LoraLayer
+from safetensors.torch import load_file, save_file
+
+from worker.torch_runtime.bases import LoadedBase
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+@dataclass(frozen=True)
+class LoraWeights:
+    """An adapter's tensors (cloned, so later training steps do not change them) and its config."""
+
+    config: LoraConfig
+    tensors: dict[str, torch.Tensor]
+
+
+def export_adapter(base: LoadedBase, adapter: str) -> LoraWeights:
+    state = get_peft_model_state_dict(base.model, adapter_name=adapter)
+    return LoraWeights(base.model.peft_config[adapter], {k: v.detach().clone() for k, v in state.items()})
+
+
+def import_adapter(base: LoadedBase, adapter: str, weights: LoraWeights) -> None:
+    if adapter not in base.adapters:
+        base.add_adapter(adapter, weights.config)
+    set_peft_model_state_dict(base.model, weights.tensors, adapter_name=adapter)
+
+
+def save_adapter(weights: LoraWeights, out: Path, base: LoadedBase) -> None:
+    """peft's on-disk layout: adapter_config.json + adapter_model.safetensors."""
+    config = weights.config.to_dict()
+    config["base_model_name_or_path"] = str(base.path)
+    config["target_modules"] = sorted(config["target_modules"])
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2, default=str))
+    save_file({k: v.contiguous().cpu() for k, v in weights.tensors.items()}, str(out / "adapter_model.safetensors"))
+
+
+def load_adapter(directory: Path) -> LoraWeights:
+    config = json.loads((directory / "adapter_config.json").read_text())
+    lora = LoraConfig(
+        r=config["r"], lora_alpha=config["lora_alpha"], target_modules=config["target_modules"],
+        lora_dropout=0.0, bias="none",
+    )
+    return LoraWeights(lora, load_file(str(directory / "adapter_model.safetensors")))
+
+
+def save_merged(base: LoadedBase, adapter: str, out: Path) -> None:
+    """A full HF-format model (base + this adapter merged): config, safetensors, tokenizer."""
+    inner = base.model.base_model.model
+    merged: dict[str, torch.Tensor] = {}
+    for key, value in inner.state_dict().items():
+        if "lora_" not in key:
+            merged[key.replace(".base_layer", "")] = value
+    with torch.no_grad():
+        for name, module in inner.named_modules():
+            if isinstance(module, LoraLayer) and adapter in module.lora_A:
+                merged[f"{name}.weight"] = module.base_layer.weight + module.get_delta_weight(adapter)
+    save_file({k: v.detach().contiguous().cpu() for k, v in merged.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    shutil.copy(base.path / "config.json", out / "config.json")
+    for name in TOKENIZER_FILES:
+        if (base.path / name).exists():
+            shutil.copy(base.path / name, out / name)
