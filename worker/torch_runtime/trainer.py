@@ -157,8 +157,11 @@ class TorchTrainer(Trainer):
     def save_sampler_weights(self, model_id: str, name: str) -> str:
         trained = self.models[model_id]
         with tempfile.TemporaryDirectory() as tmp:
+            # The archive root is a plain HF model (merged); the peft adapter sits in adapter/, since
+            # transformers would otherwise apply an adapter found beside merged weights a second time.
             save_merged(trained.base, trained.adapter, Path(tmp))
-            save_adapter(self.export_weights(model_id), Path(tmp), trained.base)
+            (Path(tmp) / "adapter").mkdir()
+            save_adapter(self.export_weights(model_id), Path(tmp) / "adapter", trained.base)
             return str(write_archive(Path(tmp), self._model_dir(model_id, "sampler_weights") / f"{name}.tar.gz"))
 
     def save_state(self, model_id: str, name: str, include_optimizer: bool) -> str:

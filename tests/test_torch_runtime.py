@@ -1,0 +1,274 @@
+"""The PyTorch runtime: what is sampled is what was trained, to 1e-4, through every feature."""
+
+import math
+
+import pytest
+import torch
+
+from schemas import (
+    AdamParams,
+    CreateModelRequest,
+    Datum,
+    ErrorResponse,
+    ForwardBackwardRequest,
+    ForwardRequest,
+    LoadStateRequest,
+    LoraConfig,
+    OptimStepRequest,
+    SampleOutput,
+    SampleRequest,
+    SamplingParams,
+    SaveStateRequest,
+    WeightSyncRequest,
+)
+from tinkerq.config import RuntimeConfig
+from worker.runtime import DomainError
+from worker.runtime.factory import build_runtime
+
+BASE = "tinyq-micro"
+PROMPT = [5, 6, 7, 8, 9, 10]
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def rt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return build_runtime(RuntimeConfig(runtime="torch", checkpoint_root=str(root), max_snapshots=3))
+
+
+_models = iter(range(10**6))
+
+
+def new_model(rt, rank=8, seed=0) -> str:
+    model_id = f"t{next(_models)}:train:0"
+    rt.execute(CreateModelRequest(model_id=model_id, base_model=BASE, lora=LoraConfig(rank=rank, seed=seed)))
+    return model_id
+
+
+def sample(rt, model_id, version=0, prompt=PROMPT, **params) -> SampleOutput:
+    extra = {k: params.pop(k) for k in ("num_samples", "prompt_logprobs", "topk_prompt_logprobs") if k in params}
+    request = SampleRequest(model_id=model_id, prompt_tokens=prompt, weights_version=version,
+                            sampling_params=SamplingParams(**{"max_tokens": 8, **params}), **extra)
+    (out,) = rt.sample([request])
+    assert isinstance(out, SampleOutput), out
+    return out
+
+
+def datum(prompt, completion, **inputs) -> Datum:
+    full = prompt + completion
+    return Datum(model_input=full[:-1], loss_fn_inputs={"target_tokens": [float(t) for t in full[1:]], **inputs})
+
+
+def trainer_logprobs(rt, model_id, prompt, completion) -> list[float]:
+    out = rt.execute(ForwardRequest(model_id=model_id, data=[datum(prompt, completion)]))
+    return out.loss_fn_outputs[0]["logprobs"]
+
+
+def max_diff(a, b) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def rl_step(rt, model_id, version, lr=5e-2) -> int:
+    """One importance-sampling step that rewards the first sample's tokens, then a sync."""
+    out = sample(rt, model_id, version, num_samples=2, seed=version)
+    data = [datum(PROMPT, s.tokens, logprobs=[0.0] * 5 + s.logprobs, advantages=[0.0] * 5 + [a] * len(s.tokens))
+            for s, a in zip(out.sequences, (1.0, -1.0))]
+    rt.execute(ForwardBackwardRequest(model_id=model_id, data=data, loss_fn="importance_sampling"))
+    rt.execute(OptimStepRequest(model_id=model_id, adam_params=AdamParams(learning_rate=lr)))
+    rt.execute(WeightSyncRequest(model_id=model_id, version=version + 1))
+    return version + 1
+
+
+def test_sampler_logprobs_equal_trainer_forward_after_each_sync(rt):
+    model = new_model(rt)
+    worst, version = 0.0, 0
+    for _ in range(3):
+        out = sample(rt, model, version, num_samples=3, seed=11, prompt_logprobs=True)
+        for seq in out.sequences:
+            assert all(math.isfinite(lp) and lp < 0 for lp in seq.logprobs)  # never zero-filled
+            lps = trainer_logprobs(rt, model, PROMPT, seq.tokens)
+            worst = max(worst, max_diff(lps[len(PROMPT) - 1:], seq.logprobs))
+            worst = max(worst, max_diff(lps[: len(PROMPT) - 1], out.prompt_logprobs[1:]))
+        version = rl_step(rt, model, version)
+    print(f"max |sampler - trainer| logprob difference over 3 syncs: {worst:.2e}")
+    assert worst < TOLERANCE
+
+
+def test_a_sync_changes_what_is_served_and_old_snapshots_stay_exact(rt):
+    model = new_model(rt)
+    before = sample(rt, model, 0, temperature=0)
+    version = rl_step(rt, model, 0, lr=0.2)
+    after = sample(rt, model, version, temperature=0)
+    old_again = sample(rt, model, 0, temperature=0)
+    assert after.weights_version == 1 and old_again.weights_version == 0
+    assert (after.sequences[0].tokens, after.sequences[0].logprobs) != (before.sequences[0].tokens,
+                                                                         before.sequences[0].logprobs)
+    assert old_again.sequences[0].tokens == before.sequences[0].tokens
+    assert max_diff(old_again.sequences[0].logprobs, before.sequences[0].logprobs) < TOLERANCE
+
+
+def test_evicted_snapshot_is_an_explicit_error(rt):
+    model = new_model(rt)
+    version = 0
+    for _ in range(3):
+        version = rl_step(rt, model, version)
+    (evicted,) = rt.sample([SampleRequest(model_id=model, prompt_tokens=PROMPT, weights_version=0)])
+    assert isinstance(evicted, ErrorResponse) and evicted.code == "snapshot_evicted"
+    assert rt.engine.live_versions(model) == [1, 2, 3]
+
+
+def test_mixed_batch_of_models_and_versions_gives_each_row_its_own_weights(rt):
+    a, b = new_model(rt, seed=1), new_model(rt, seed=2)
+    rl_step(rt, a, 0, lr=0.2)
+    requests = [SampleRequest(model_id=m, prompt_tokens=PROMPT, weights_version=v,
+                              sampling_params=SamplingParams(max_tokens=6, seed=5)) for m, v in
+                [(a, 0), (a, 1), (b, 0)]]
+    together = rt.sample(requests)
+    alone = [rt.sample([r])[0] for r in requests]
+    for t, s in zip(together, alone):
+        assert t.sequences[0].tokens == s.sequences[0].tokens
+        assert max_diff(t.sequences[0].logprobs, s.sequences[0].logprobs) < TOLERANCE
+    assert together[0].sequences[0].logprobs != together[1].sequences[0].logprobs
+
+
+def test_seeds_make_samples_reproducible(rt):
+    model = new_model(rt)
+    first = sample(rt, model, num_samples=3, seed=42, max_tokens=10)
+    again = sample(rt, model, num_samples=3, seed=42, max_tokens=10)
+    other = sample(rt, model, num_samples=3, seed=43, max_tokens=10)
+    tokens = [s.tokens for s in first.sequences]
+    assert tokens == [s.tokens for s in again.sequences]
+    assert tokens != [s.tokens for s in other.sequences]
+    assert len({tuple(t) for t in tokens}) > 1  # the samples of one request differ from each other
+
+
+def test_greedy_and_top_k_1_follow_the_trainers_argmax(rt):
+    model = new_model(rt)
+    greedy = sample(rt, model, temperature=0, max_tokens=6).sequences[0]
+    top1 = sample(rt, model, top_k=1, seed=3, max_tokens=6).sequences[0]
+    assert greedy.tokens == top1.tokens
+    trained = rt.trainer.models[model]
+    trained.base.model.set_adapter(trained.adapter)
+    context = list(PROMPT)
+    for token in greedy.tokens:  # each greedy token is the trainer's most likely next token
+        logits = trained.base.model(input_ids=torch.tensor([context])).logits[0, -1]
+        assert int(torch.argmax(logits)) == token
+        context.append(token)
+
+
+def test_stop_tokens_stop_strings_and_length(rt):
+    model = new_model(rt)
+    free = sample(rt, model, seed=7, max_tokens=10, stop=[]).sequences[0]
+    assert free.stop_reason == "length" and len(free.tokens) == 10
+    stop_token = free.tokens[3]
+    stopped = sample(rt, model, seed=7, max_tokens=10, stop=[stop_token]).sequences[0]
+    assert stopped.stop_reason == "stop" and stopped.tokens == free.tokens[: free.tokens.index(stop_token) + 1]
+    tokenizer = rt.trainer.models[model].base.tokenizer
+    text = tokenizer.decode(free.tokens[:5])
+    stop_text = text[-3:] if len(text.strip()) >= 3 else text
+    by_string = sample(rt, model, seed=7, max_tokens=10, stop=[stop_text]).sequences[0]
+    assert by_string.stop_reason == "stop" and stop_text in tokenizer.decode(by_string.tokens)
+    assert len(by_string.tokens) <= 5
+
+
+def test_eos_stops_unless_stop_is_empty(rt):
+    model = new_model(rt)
+    base = rt.trainer.models[model].base
+    eos = base.tokenizer.eos_token_id
+    with torch.no_grad():  # make EOS overwhelmingly likely through the base's unembedding bias-free row
+        base.model.base_model.model.lm_head.base_layer.weight[eos] *= 0
+        base.model.base_model.model.lm_head.base_layer.weight[eos] += 5 * base.model.base_model.model.model.norm.weight
+    try:
+        with_eos = sample(rt, model, seed=1, max_tokens=10).sequences[0]
+        no_stop = sample(rt, model, seed=1, max_tokens=10, stop=[]).sequences[0]
+    finally:
+        base.model.base_model.model.lm_head.base_layer.weight.data.copy_(
+            type(base.model.base_model.model)
+            .from_pretrained(base.path).lm_head.weight.data)
+    assert eos in with_eos.tokens and with_eos.tokens[-1] == eos and with_eos.stop_reason == "stop"
+    assert len(no_stop.tokens) == 10 and no_stop.stop_reason == "length"
+
+
+def test_prompt_logprobs_and_top_k_prompt_logprobs(rt):
+    model = new_model(rt)
+    out = sample(rt, model, prompt_logprobs=True, topk_prompt_logprobs=4, max_tokens=1)
+    assert len(out.prompt_logprobs) == len(PROMPT) and out.prompt_logprobs[0] is None
+    top = out.topk_prompt_logprobs
+    assert top.token_ids[0] == [] and all(len(row) == 4 for row in top.token_ids[1:])
+    for j, (ids, lps) in enumerate(zip(top.token_ids[1:], top.logprobs[1:]), start=1):
+        assert lps == sorted(lps, reverse=True)
+        assert lps[0] >= out.prompt_logprobs[j] - 1e-6
+        if ids[0] == PROMPT[j]:
+            assert abs(lps[0] - out.prompt_logprobs[j]) < 1e-5
+
+
+def test_supervised_cross_entropy_drives_the_loss_down(rt):
+    model = new_model(rt)
+    data = [datum([1, 2, 3], [40, 41, 42, 43], weights=[0.0, 0.0] + [1.0] * 4)]
+    losses = []
+    for _ in range(8):
+        out = rt.execute(ForwardBackwardRequest(model_id=model, data=data, loss_fn="cross_entropy"))
+        losses.append(out.metrics["loss:sum"])
+        rt.execute(OptimStepRequest(model_id=model, adam_params=AdamParams(learning_rate=2e-2)))
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def logprobs_of(rt, model):
+    return trainer_logprobs(rt, model, PROMPT, [11, 12, 13, 14])
+
+
+def train_step(rt, model, lr=1e-2):
+    rt.execute(ForwardBackwardRequest(model_id=model, data=[datum(PROMPT, [11, 12, 13, 14])],
+                                      loss_fn="cross_entropy"))
+    rt.execute(OptimStepRequest(model_id=model, adam_params=AdamParams(learning_rate=lr)))
+
+
+def test_save_and_load_round_trip_with_and_without_optimizer(rt):
+    model = new_model(rt)
+    for _ in range(3):
+        train_step(rt, model)
+    path = rt.execute(SaveStateRequest(model_id=model, name="three", include_optimizer=True)).path
+    saved = logprobs_of(rt, model)
+    with_opt, without_opt = "loaded-opt:train:0", "loaded-plain:train:0"
+    rt.execute(LoadStateRequest(model_id=with_opt, path=path, optimizer=True))
+    rt.execute(LoadStateRequest(model_id=without_opt, path=path, optimizer=False))
+    assert max_diff(logprobs_of(rt, with_opt), saved) == 0.0
+    for m in (model, with_opt, without_opt):
+        train_step(rt, m)
+    assert max_diff(logprobs_of(rt, with_opt), logprobs_of(rt, model)) < 1e-6  # identical next step
+    assert max_diff(logprobs_of(rt, without_opt), logprobs_of(rt, model)) > 1e-4  # fresh Adam differs
+
+
+def test_named_sync_writes_an_hf_snapshot_that_loads_as_the_served_weights(rt, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from worker.torch_runtime.checkpoints import extract_archive
+
+    model = new_model(rt)
+    version = rl_step(rt, model, 0, lr=0.2)
+    out = rt.execute(WeightSyncRequest(model_id=model, version=version + 1, name="snap"))
+    assert out.persisted and out.path.endswith("snap.tar.gz")
+    hf = AutoModelForCausalLM.from_pretrained(extract_archive(__import__("pathlib").Path(out.path), tmp_path / "x"))
+    served = sample(rt, model, version + 1, temperature=0, max_tokens=5).sequences[0]
+    logits = hf(input_ids=torch.tensor([PROMPT + served.tokens[:-1]])).logits[0].float()
+    lps = torch.log_softmax(logits, -1)[len(PROMPT) - 1:].gather(-1, torch.tensor(served.tokens)[:, None])[:, 0]
+    assert max_diff(lps.tolist(), served.logprobs) < TOLERANCE
+    transient = rt.execute(WeightSyncRequest(model_id=model, version=version + 2))
+    assert not transient.persisted and transient.path is None
+
+
+def test_bad_training_input_is_a_clear_error(rt):
+    model = new_model(rt)
+    with pytest.raises(DomainError, match="target_tokens"):
+        rt.execute(ForwardRequest(model_id=model, data=[Datum(model_input=[1, 2])]))
+    with pytest.raises(DomainError, match="outside"):
+        rt.execute(ForwardRequest(model_id=model, data=[datum([1], [10**6])]))
+    with pytest.raises(DomainError, match="advantages"):
+        rt.execute(ForwardBackwardRequest(model_id=model, data=[datum([1], [2], logprobs=[0.0])],
+                                          loss_fn="importance_sampling"))
+    (too_long,) = rt.sample([SampleRequest(model_id=model, prompt_tokens=[1] * 1000, weights_version=0,
+                                           sampling_params=SamplingParams(max_tokens=100))])
+    assert too_long.code == "context_exceeded"
+    with pytest.raises(DomainError, match="unknown model"):
+        rt.execute(CreateModelRequest(model_id="x", base_model="no-such-model"))
