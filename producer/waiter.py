@@ -52,10 +52,10 @@ class ResultWaiter:
                     message = pubsub.get_message(timeout=1.0)
                     if message is not None:
                         self._wake(message["data"].decode())
-            except Exception:  # noqa: BLE001 - reconnect on any connection trouble
+            except Exception as exc:  # noqa: BLE001 - reconnect on any connection trouble
                 if self._closed:
                     return
-                log.warning("result waiter lost its pub/sub connection; reconnecting", exc_info=True)
+                log.warning("result waiter lost its pub/sub connection (%s); reconnecting", exc)
                 time.sleep(0.5)
             finally:
                 pubsub.close()
