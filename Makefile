@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	# torch comes from the CPU wheel on disk where there is one (pip's find-links); see README.
-	$(VENV)/bin/pip install -q -e '.[$(EXTRAS)]' --config-settings editable_mode=compat
+	$(VENV)/bin/pip install -q -e '.[$(EXTRAS)]'
 	touch $@
 
 test: install

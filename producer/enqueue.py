@@ -87,6 +87,23 @@ class Producer:
 
     def submit(self, request: Request, request_id: str | None = None) -> Ticket:
         """Enqueue one request. Raises Rejected (nothing enqueued) on a limit, a full queue or a conflict."""
+        return self.submit_many([request], [request_id])[0]
+
+    def submit_many(self, requests: list[Request], request_ids: list[str | None] | None = None) -> list[Ticket]:
+        """Enqueue several requests in order, in one transaction: all of them, or (Rejected) none.
+
+        A worker sees them all at once, so the samples among them reach the engine as one batch.
+        """
+        ids = request_ids or [None] * len(requests)
+        items = [self._prepare(request, rid) for request, rid in zip(requests, ids, strict=True)]
+        with self.connection.pipeline() as pipe:
+            while True:
+                try:
+                    return self._submit_batch(pipe, items)
+                except WatchError:
+                    continue  # a concurrent submit touched one of our keys: re-read and retry
+
+    def _prepare(self, request: Request, request_id: str | None) -> tuple[Request, str, str]:
         try:
             self.limits.check(request)
         except LimitExceeded as exc:
@@ -94,37 +111,69 @@ class Producer:
         rid = new_request_id(request.kind[:2]) if request_id is None else request_id
         if not _ID_RE.match(rid):
             raise Rejected.of(400, "invalid_request_id", f"request id {rid!r} must match {ID_PATTERN}")
-        with self.connection.pipeline() as pipe:
-            while True:
-                try:
-                    return self._submit_once(pipe, request, rid, digest(request))
-                except WatchError:
-                    continue  # a concurrent submit touched one of our keys: re-read and retry
+        return request, rid, digest(request)
 
-    def _submit_once(self, pipe, request: Request, rid: str, body_digest: str) -> Ticket:
-        shard = self.shard_of(request.model_id)
-        queue = self._queues[shard]
+    @staticmethod
+    def _claim_key(request: Request, rid: str) -> str:
+        """What makes a submission unique: (model_id, seq_id) for sequenced ops, else the request id."""
         seq_id = getattr(request, "seq_id", None)
-        seq_key = keys.seq_key(request.model_id, seq_id) if seq_id is not None else keys.request_key(rid)
-        wver_key = keys.model_key(request.model_id, "wver")
-        pipe.watch(keys.request_key(rid), wver_key, seq_key)
-        # One round trip for everything the decision needs; WATCH makes the MULTI below atomic with it.
-        first_rid, first_digest, first_version, depth, latest = self._read_state(
-            keys=[keys.request_key(rid), seq_key, queue.key, wver_key], args=[rid, keys.request_key("")], client=pipe
-        )
-        first_rid = first_rid.decode() if first_rid else rid
-        if first_digest is not None or first_rid != rid:
-            return self._duplicate(request, rid, first_rid, first_digest, first_version, body_digest, shard)
-        if depth >= self.limits.max_shard_queue_depth:
-            raise Rejected.of(
-                429, "queue_full",
-                f"shard {shard} has {depth} queued jobs (limit {self.limits.max_shard_queue_depth}); retry later",
-                retryable=True,
+        return keys.seq_key(request.model_id, seq_id) if seq_id is not None else keys.request_key(rid)
+
+    def _submit_batch(self, pipe, items: list[tuple[Request, str, str]]) -> list[Ticket]:
+        watched = {key for request, rid, _ in items for key in
+                   (keys.request_key(rid), self._claim_key(request, rid), keys.model_key(request.model_id, "wver"))}
+        pipe.watch(*watched)
+        tickets: list[Ticket] = []
+        fresh: list[tuple[Request, str, int, str]] = []
+        in_batch: dict[str, tuple[Ticket, str]] = {}
+        latest: dict[str, int] = {}
+        added: dict[int, int] = {}
+        for request, rid, body_digest in items:
+            shard = self.shard_of(request.model_id)
+            claim = self._claim_key(request, rid)
+            if claim in in_batch or keys.request_key(rid) in in_batch:
+                first, first_digest = in_batch.get(claim) or in_batch[keys.request_key(rid)]
+                tickets.append(self._duplicate(request, rid, first.request_id, first_digest, first.version,
+                                               body_digest, shard))
+                continue
+            # One round trip for everything the decision needs; WATCH makes the MULTI below atomic with it.
+            first_rid, first_digest, first_version, depth, wver = self._read_state(
+                keys=[keys.request_key(rid), claim, self._queues[shard].key, keys.model_key(request.model_id, "wver")],
+                args=[rid, keys.request_key("")], client=pipe,
             )
-        request, version = self._stamp_version(request, int(latest or 0))
+            first_rid = first_rid.decode() if first_rid else rid
+            if first_digest is not None or first_rid != rid:
+                tickets.append(self._duplicate(
+                    request, rid, first_rid, first_digest and first_digest.decode(),
+                    int(first_version) if first_version else None, body_digest, shard,
+                ))
+                continue
+            if depth + added.get(shard, 0) >= self.limits.max_shard_queue_depth:
+                raise Rejected.of(
+                    429, "queue_full",
+                    f"shard {shard} has {depth} queued jobs (limit {self.limits.max_shard_queue_depth}); retry later",
+                    retryable=True,
+                )
+            request, version = self._stamp_version(request, latest.setdefault(request.model_id, int(wver or 0)))
+            if isinstance(request, WeightSyncRequest):
+                latest[request.model_id] = version
+            added[shard] = added.get(shard, 0) + 1
+            ticket = Ticket(rid, shard, version)
+            in_batch[claim] = in_batch[keys.request_key(rid)] = (ticket, body_digest)
+            fresh.append((request, rid, shard, body_digest))
+            tickets.append(ticket)
+        if not fresh:
+            pipe.unwatch()
+            return tickets
         pipe.multi()
-        self._record(pipe, request, rid, shard, body_digest, seq_id)
-        queue.enqueue_call(
+        for request, rid, shard, body_digest in fresh:
+            self._enqueue(pipe, request, rid, shard, body_digest)
+        pipe.execute()
+        return tickets
+
+    def _enqueue(self, pipe, request: Request, rid: str, shard: int, body_digest: str) -> None:
+        self._record(pipe, request, rid, shard, body_digest, getattr(request, "seq_id", None))
+        self._queues[shard].enqueue_call(
             JOB_FUNCTIONS[request.kind],
             args=(request.model_dump(mode="json"),),
             job_id=rid,
@@ -135,20 +184,18 @@ class Producer:
             # Prompts never reach the dashboard's description column.
             description=f"{request.kind} {request.model_id}",
         )
-        pipe.execute()
-        return Ticket(rid, shard, version)
 
     @staticmethod
     def _duplicate(
-        request: Request, rid: str, first_rid: str, first_digest: bytes | None, first_version: bytes | None,
+        request: Request, rid: str, first_rid: str, first_digest: str | None, first_version: int | None,
         body_digest: str, shard: int,
     ) -> Ticket:
-        if first_digest is not None and first_digest.decode() != body_digest:
+        if first_digest is not None and first_digest != body_digest:
             seq_id = getattr(request, "seq_id", None)
             where = f"(model_id={request.model_id}, seq_id={seq_id})" if first_rid != rid else f"request id {rid}"
             raise Rejected.of(409, "idempotency_conflict", f"{where} was already used with a different body")
         # With no record left (expired) the seq claim still stands: answer with the first id.
-        return Ticket(first_rid, shard, int(first_version) if first_version else None, duplicate=True)
+        return Ticket(first_rid, shard, first_version, duplicate=True)
 
     @staticmethod
     def _stamp_version(request: Request, latest: int) -> tuple[Request, int | None]:

@@ -112,3 +112,20 @@ def test_shard_count_is_fixed_per_deployment(fake, producer):
 def test_dashboard_description_does_not_leak_prompts(fake, producer):
     ticket = producer.submit(SampleRequest(model_id="m", prompt_tokens=[31337]))
     assert b"31337" not in fake.hget(f"rq:job:{ticket.request_id}", "description")
+
+
+def test_submit_many_is_all_or_nothing_and_versions_follow_batch_order(fake, producer):
+    tickets = producer.submit_many([
+        SampleRequest(model_id="m", prompt_tokens=[1]),
+        WeightSyncRequest(model_id="m"),
+        SampleRequest(model_id="m", prompt_tokens=[2]),
+        OptimStepRequest(model_id="m", seq_id=1),
+        OptimStepRequest(model_id="m", seq_id=1),  # the same (model, seq_id) twice: one job
+    ])
+    assert [t.version for t in tickets[:3]] == [0, 1, 1]
+    assert tickets[4].request_id == tickets[3].request_id and tickets[4].duplicate
+    assert queued(fake, producer, "m") == [t.request_id for t in tickets[:4]]
+    with pytest.raises(Rejected) as info:  # 4 queued + 2 more > depth limit 5: neither is enqueued
+        producer.submit_many([SampleRequest(model_id="m", prompt_tokens=[3]), WeightSyncRequest(model_id="m")])
+    assert info.value.error.code == "queue_full"
+    assert len(queued(fake, producer, "m")) == 4 and fake.get(keys.model_key("m", "wver")) == b"1"

@@ -157,6 +157,17 @@ def test_greedy_and_top_k_1_follow_the_trainers_argmax(rt):
         context.append(token)
 
 
+def test_top_p_and_temperature_shape_the_draw(rt):
+    model = new_model(rt)
+    greedy = sample(rt, model, temperature=0, max_tokens=6).sequences[0].tokens
+    nucleus = sample(rt, model, num_samples=4, top_p=1e-6, seed=9, max_tokens=6)
+    assert all(s.tokens == greedy for s in nucleus.sequences)  # a tiny nucleus keeps only the argmax
+    cold = sample(rt, model, num_samples=4, temperature=1e-4, seed=9, max_tokens=6)
+    assert all(s.tokens == greedy for s in cold.sequences)
+    hot = sample(rt, model, num_samples=4, temperature=5.0, seed=9, max_tokens=6)
+    assert any(s.tokens != greedy for s in hot.sequences)
+
+
 def test_stop_tokens_stop_strings_and_length(rt):
     model = new_model(rt)
     free = sample(rt, model, seed=7, max_tokens=10, stop=[]).sequences[0]

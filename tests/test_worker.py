@@ -145,6 +145,9 @@ def test_replayed_sync_is_a_no_op(r, producer, config, tmp_path):
     sync = producer.submit(WeightSyncRequest(model_id=M, name="first"))
     worker = drain(r, config, tmp_path)
     assert result(producer, sync).persisted
+    path = r.hget(keys.model_key(M, "snapshots"), "1").decode()  # the named snapshot is registered
+    assert path == result(producer, sync).path and path.endswith("first.json")
+    assert int(r.get(keys.model_key(M, "applied"))) == 1
     # the dashboard's "requeue" (or a recovery) runs the same job again
     r.delete(keys.result_key(sync.request_id))
     Queue(keys.queue_name(sync.shard), connection=r, serializer="json").push_job_id(sync.request_id)

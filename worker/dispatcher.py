@@ -8,7 +8,15 @@ from redis import Redis
 from rq import Queue
 from rq.job import Job
 
-from schemas import ErrorResponse, Request, Result, SampleRequest, WeightSyncRequest, parse_request
+from schemas import (
+    ErrorResponse,
+    Request,
+    Result,
+    SampleRequest,
+    WeightSyncOutput,
+    WeightSyncRequest,
+    parse_request,
+)
 from tinkerq import keys
 from tinkerq.config import QueueConfig
 from worker import batching
@@ -93,8 +101,14 @@ class Dispatcher:
         except DomainError as exc:
             result = exc.response()
         if isinstance(request, WeightSyncRequest) and not isinstance(result, ErrorResponse):
-            self.fence.set_counter(shard, keys.model_key(request.model_id, "applied"), request.version)
+            self._publish_sync(shard, result)
         self.finish(shard, rid, result)
+
+    def _publish_sync(self, shard: int, result: WeightSyncOutput) -> None:
+        """Record the applied version, and register a persisted snapshot's path (both fenced)."""
+        self.fence.set_counter(shard, keys.model_key(result.model_id, "applied"), result.version)
+        if result.path is not None:
+            self.fence.hset(shard, keys.model_key(result.model_id, "snapshots"), str(result.version), result.path)
 
     def _sample(self, job: Job, shard: int, rid: str, request: SampleRequest) -> dict[str, Any]:
         queue_key = Queue.redis_queue_namespace_prefix + job.origin

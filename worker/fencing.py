@@ -45,6 +45,14 @@ return 1
 """
 
 
+# KEYS: lease, hash. ARGV: token, field, value.
+_HSET = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+return 1
+"""
+
+
 class FencedOut(RuntimeError):
     """This worker no longer owns the shard; its write was refused."""
 
@@ -62,6 +70,7 @@ class Fence:
         self._release = connection.register_script(_RELEASE)
         self._put_result = connection.register_script(_PUT_RESULT)
         self._set_counter = connection.register_script(_SET_COUNTER)
+        self._hset = connection.register_script(_HSET)
 
     def acquire(self, shards: list[int]) -> list[int]:
         """Try to take each free shard; return the ones newly taken."""
@@ -113,4 +122,8 @@ class Fence:
             keys=[keys.lease_key(shard), key], args=[self._token(shard), value, "max" if only_up else "set"]
         )
         if outcome == -1:
+            raise FencedOut(f"lost the lease on shard {shard}; {key} not written")
+
+    def hset(self, shard: int, key: str, field: str, value: str) -> None:
+        if self._hset(keys=[keys.lease_key(shard), key], args=[self._token(shard), field, value]) == -1:
             raise FencedOut(f"lost the lease on shard {shard}; {key} not written")
