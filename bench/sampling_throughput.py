@@ -21,6 +21,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from redis import Redis
+from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -57,65 +58,88 @@ def timed(fn):
     return out, time.perf_counter() - t0
 
 
-def direct(args, requests, tmp: Path) -> dict:
-    rt = build_runtime(RuntimeConfig(runtime="torch", checkpoint_root=str(tmp / "direct")))
-    rt.execute(CreateModelRequest(model_id=MODEL, base_model=args.model, lora=LoraConfig(rank=16, seed=0)))
-    pinned = [r.model_copy(update={"weights_version": 0}) for r in requests]
-    rt.sample(pinned[:4])  # warm-up
-    rates = []
-    for _ in range(args.repeats):
-        outputs, seconds = timed(lambda: rt.sample(pinned))
-        rates.append(tokens_of(outputs) / seconds)
-    syncs, version = {}, 0
-    for name in (None, "snap"):
-        times = []
-        for _ in range(args.repeats):
-            version += 1
-            sync = WeightSyncRequest(model_id=MODEL, version=version, name=name)
-            output, seconds = timed(lambda: rt.execute(sync))
-            assert output.applied and output.persisted == (name is not None)
-            times.append(seconds * 1000)
-        syncs["named" if name else "transient"] = statistics.median(times)
-    return {"tokens_per_s": statistics.median(rates), "sync_ms": syncs}
+class Direct:
+    """The engine in this process, called with every request in one sample() call."""
+
+    def __init__(self, args, tmp: Path) -> None:
+        self.rt = build_runtime(RuntimeConfig(runtime="torch", checkpoint_root=str(tmp / "direct")))
+        self.rt.execute(CreateModelRequest(model_id=MODEL, base_model=args.model, lora=LoraConfig(rank=16, seed=0)))
+        self.version = 0
+
+    def sample(self, requests: list[SampleRequest]) -> float:
+        pinned = [r.model_copy(update={"weights_version": self.version}) for r in requests]
+        outputs, seconds = timed(lambda: self.rt.sample(pinned))
+        return tokens_of(outputs) / seconds
+
+    def sync_ms(self, name: str | None) -> float:
+        self.version += 1
+        output, seconds = timed(lambda: self.rt.execute(WeightSyncRequest(model_id=MODEL, version=self.version,
+                                                                           name=name)))
+        assert output.applied and output.persisted == (name is not None)
+        return seconds * 1000
 
 
-def through_queue(args, requests, url: str, tmp: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TINKERQ_NUM_SHARDS": "1", "TINKERQ_RUNTIME": "torch",
-           "TINKERQ_CHECKPOINT_ROOT": str(tmp / "queue")}
-    worker = subprocess.Popen([sys.executable, "-m", "tinkerq.cli", "worker", "--redis-url", url,
-                               "--log-level", "WARNING"], env=env, cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    producer = Producer(Redis.from_url(url), QueueConfig(num_shards=1))
+class Queued:
+    """The same requests through Redis and a `tinkerq worker --runtime torch` process."""
+
+    def __init__(self, args, url: str, tmp: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "TINKERQ_NUM_SHARDS": "1", "TINKERQ_RUNTIME": "torch",
+               "TINKERQ_CHECKPOINT_ROOT": str(tmp / "queue")}
+        self.worker = subprocess.Popen([sys.executable, "-m", "tinkerq.cli", "worker", "--redis-url", url,
+                                        "--log-level", "WARNING"], env=env, cwd=ROOT,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.producer = Producer(Redis.from_url(url), QueueConfig(num_shards=1))
+        create = self.producer.submit(CreateModelRequest(model_id=MODEL, base_model=args.model,
+                                                         lora=LoraConfig(rank=16, seed=0)))
+        assert self.producer.wait(create.request_id, 600).type == "create_model"
+
+    def _wait_all(self, tickets) -> list:
+        outputs = [self.producer.wait(t.request_id, 600) for t in tickets]
+        assert all(o is not None and o.type == "sample" for o in outputs), outputs[:1]
+        return outputs
+
+    def sample(self, requests: list[SampleRequest], one_by_one: bool = False) -> float:
+        def run():
+            tickets = [self.producer.submit(r) for r in requests] if one_by_one else \
+                self.producer.submit_many(requests)
+            return self._wait_all(tickets)
+
+        outputs, seconds = timed(run)
+        return tokens_of(outputs) / seconds
+
+    def sync_ms(self, name: str | None) -> float:
+        ticket = self.producer.submit(WeightSyncRequest(model_id=MODEL, name=name))
+        output, seconds = timed(lambda: self.producer.wait(ticket.request_id, 600))
+        assert output.type == "weight_sync" and output.persisted == (name is not None)
+        return seconds * 1000
+
+    def close(self) -> None:
+        self.producer.close()
+        self.worker.terminate()
+        self.worker.wait(30)
+
+
+def measure(args, requests, url: str, tmp: Path) -> dict:
+    direct, queued = Direct(args, tmp), Queued(args, url, tmp)
     try:
-        def wait_all(tickets):
-            outputs = [producer.wait(t.request_id, 600) for t in tickets]
-            assert all(o is not None and o.type == "sample" for o in outputs), outputs[:1]
-            return outputs
-
-        create = producer.submit(CreateModelRequest(model_id=MODEL, base_model=args.model,
-                                                    lora=LoraConfig(rank=16, seed=0)))
-        assert producer.wait(create.request_id, 600).type == "create_model"
-        wait_all(producer.submit_many(requests[:4]))  # warm-up
-        batched, single = [], []
-        for _ in range(args.repeats):
-            outputs, seconds = timed(lambda: wait_all(producer.submit_many(requests)))
-            batched.append(tokens_of(outputs) / seconds)
-            outputs, seconds = timed(lambda: wait_all([producer.submit(r) for r in requests]))
-            single.append(tokens_of(outputs) / seconds)
-        syncs = {}
-        for name in (None, "snap"):
-            times = []
-            for _ in range(args.repeats):
-                ticket = producer.submit(WeightSyncRequest(model_id=MODEL, name=name))
-                _, seconds = timed(lambda: producer.wait(ticket.request_id, 600))
-                times.append(seconds * 1000)
-            syncs["named" if name else "transient"] = statistics.median(times)
-        return {"tokens_per_s": statistics.median(batched), "tokens_per_s_one_by_one": statistics.median(single),
-                "sync_ms": syncs}
+        direct.sample(requests[:4])
+        queued.sample(requests[:4])  # warm-up
+        rows: dict[str, list[float]] = {"direct": [], "queue": [], "queue_one_by_one": []}
+        # rounds interleave the paths, so drift on a shared machine hits all of them alike
+        for _ in tqdm(range(args.repeats), desc="rounds"):
+            rows["direct"].append(direct.sample(requests))
+            rows["queue"].append(queued.sample(requests))
+            rows["queue_one_by_one"].append(queued.sample(requests, one_by_one=True))
+        syncs = {where: {kind: statistics.median(path.sync_ms(name) for _ in range(args.repeats))
+                         for kind, name in (("transient", None), ("named", "snap"))}
+                 for where, path in (("direct", direct), ("queue", queued))}
     finally:
-        producer.close()
-        worker.terminate()
-        worker.wait(30)
+        queued.close()
+    ratios = [q / d for q, d in zip(rows["queue"], rows["direct"])]
+    ratios_single = [q / d for q, d in zip(rows["queue_one_by_one"], rows["direct"])]
+    return {"tokens_per_s": {k: statistics.median(v) for k, v in rows.items()}, "rounds": rows,
+            "ratio": statistics.median(ratios), "ratio_one_by_one": statistics.median(ratios_single),
+            "sync_ms": syncs}
 
 
 def main() -> None:
@@ -125,7 +149,7 @@ def main() -> None:
     parser.add_argument("--num-samples", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=str(ROOT / "bench" / "out" / "sampling_throughput.json"))
     args = parser.parse_args()
     requests = workload(args)
@@ -134,25 +158,21 @@ def main() -> None:
         url = os.environ.get("REDIS_URL") or stack.enter_context(EmbeddedRedis()).url
         Redis.from_url(url).flushdb()
         print(f"{len(requests)} requests x {args.num_samples} samples x {args.max_tokens} tokens on {args.model}")
-        print("direct engine ...", flush=True)
-        engine = direct(args, requests, tmp)
-        print("through the queue ...", flush=True)
-        queue = through_queue(args, requests, url, tmp)
+        result = measure(args, requests, url, tmp)
     report = {
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, Python {platform.python_version()}",
-        "workload": vars(args) | {"out": None},
-        "direct": engine, "queue": queue,
-        "ratio": queue["tokens_per_s"] / engine["tokens_per_s"],
-        "ratio_one_by_one": queue["tokens_per_s_one_by_one"] / engine["tokens_per_s"],
+        "workload": {k: v for k, v in vars(args).items() if k != "out"},
+        **result,
     }
-    print(f"\n{'path':<34}{'tokens/s':>10}{'ratio':>8}")
-    print(f"{'engine, one sample() call':<34}{engine['tokens_per_s']:>10.0f}{1.0:>8.2f}")
-    print(f"{'queue, submit_many':<34}{queue['tokens_per_s']:>10.0f}{report['ratio']:>8.2f}")
-    print(f"{'queue, submitted one by one':<34}{queue['tokens_per_s_one_by_one']:>10.0f}"
-          f"{report['ratio_one_by_one']:>8.2f}")
+    rates = result["tokens_per_s"]
+    print(f"\n{'path':<34}{'tokens/s':>10}{'ratio':>8}   (medians of {args.repeats} interleaved rounds)")
+    print(f"{'engine, one sample() call':<34}{rates['direct']:>10.0f}{1.0:>8.2f}")
+    print(f"{'queue, submit_many':<34}{rates['queue']:>10.0f}{result['ratio']:>8.2f}")
+    print(f"{'queue, submitted one by one':<34}{rates['queue_one_by_one']:>10.0f}{result['ratio_one_by_one']:>8.2f}")
+    sync = result["sync_ms"]
     print(f"\n{'weight sync (median ms)':<34}{'transient':>10}{'named':>8}")
-    print(f"{'engine-side, in process':<34}{engine['sync_ms']['transient']:>10.1f}{engine['sync_ms']['named']:>8.1f}")
-    print(f"{'through the queue':<34}{queue['sync_ms']['transient']:>10.1f}{queue['sync_ms']['named']:>8.1f}")
+    print(f"{'engine-side, in process':<34}{sync['direct']['transient']:>10.1f}{sync['direct']['named']:>8.1f}")
+    print(f"{'through the queue':<34}{sync['queue']['transient']:>10.1f}{sync['queue']['named']:>8.1f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")

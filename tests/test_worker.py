@@ -79,6 +79,29 @@ def test_samples_between_barriers_reach_the_engine_as_one_batch(r, producer, con
     assert batches[0] == 5 + len(mixed), batches
     assert sum(batches) == len(first) + len(mixed) + len(later)
     assert {result(producer, t).weights_version for t in later} == {1}
+    # the batched jobs left the queue at once and show as finished in RQ (the dashboard's view)
+    for ticket in first + mixed + later:
+        assert Job.fetch(ticket.request_id, connection=r, serializer="json").get_status() == JobStatus.FINISHED
+    assert r.llen(keys.inflight_key(keys.shard_of(M, 4))) == 0
+
+
+def test_a_crash_mid_batch_puts_the_claimed_samples_back_at_the_front_in_order(r, producer, config, tmp_path):
+    from worker.batching import Batcher
+    from worker.recovery import recover
+
+    create(producer)
+    worker = drain(r, config, tmp_path)
+    tickets = [sample(producer) for _ in range(4)]
+    queue = Queue(keys.queue_name(tickets[0].shard), connection=r, serializer="json")
+    first = r.lpop(queue.key).decode()  # popped by a worker that then claims the rest and dies
+    claimed = Batcher(r, 60).claim(queue.key, tickets[0].shard, 10)
+    assert [c.request_id for c in claimed] == [t.request_id for t in tickets[1:]]
+    assert queue.get_job_ids() == []
+    r.rpush(f"{queue.key}:intermediate", first)
+    recover(r, queue)
+    assert queue.get_job_ids() == [t.request_id for t in tickets]
+    worker.run(burst=True, logging_level="WARNING")
+    assert all(isinstance(result(producer, t), SampleOutput) for t in tickets)
 
 
 def test_training_ops_run_in_seq_order_even_when_the_first_chunk_arrives_last(r, producer, config, tmp_path):

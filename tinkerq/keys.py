@@ -17,6 +17,10 @@ def queue_name(shard: int) -> str:
     return f"tinkerq.shard.{shard:03d}"
 
 
+def shard_of_queue(name: str) -> int:
+    return int(name.rsplit(".", 1)[1])
+
+
 def request_key(request_id: str) -> str:
     return f"{PREFIX}:req:{request_id}"
 
@@ -44,3 +48,8 @@ def epoch_key(shard: int) -> str:
 
 def held_deadlines_key(shard: int) -> str:
     return f"{PREFIX}:shard:{shard}:held"
+
+
+def inflight_key(shard: int) -> str:
+    """Sample jobs a worker took out of the queue to serve in one batch (recovery requeues them)."""
+    return f"{PREFIX}:shard:{shard}:inflight"

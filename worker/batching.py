@@ -1,50 +1,112 @@
 """Gather the samples that may share one engine call with the sample being run.
 
 RQ pops one job at a time. Samples of a model between two of its barriers all see the same
-weights, so the worker looks ahead in its shard queue and serves, together with the job at hand,
-every queued sample whose model has no non-sample job (sync, training op) ahead of it. Results of
-the gathered samples are stored at once; when RQ later pops their jobs, the dispatcher finds the
-result and skips them. Nothing is removed from the queue, so a crash mid-batch loses nothing.
+weights, so the worker looks ahead in its shard queue and takes, together with the job at hand,
+every queued sample whose model has no non-sample job (sync, training op) ahead of it. The taken
+jobs move atomically from the queue to the shard's in-flight list (so a crash loses none: recovery
+puts them back at the front), are served in one engine call, and are marked finished in RQ in
+one pipeline; on an exception they go back to the head of the queue and are retried one by one.
 """
 
 import logging
+from dataclasses import dataclass
 
 from redis import Redis
-from rq.job import Job
+from rq.job import Job, JobStatus
+from rq.registry import FinishedJobRegistry
+from rq.results import Result
 from rq.serializers import JSONSerializer
+from rq.utils import now
 
 from schemas import SampleRequest, parse_request
 from tinkerq import keys
 
 log = logging.getLogger(__name__)
 
-
-def lookahead(connection: Redis, queue_key: str, limit: int) -> list[tuple[str, SampleRequest]]:
-    """Up to `limit` queued samples that may be served now, in queue order."""
-    if limit <= 0:
-        return []
-    ids = [i.decode() for i in connection.lrange(queue_key, 0, 2 * limit - 1)]
-    with connection.pipeline(transaction=False) as pipe:
-        for rid in ids:
-            pipe.hmget(keys.request_key(rid), "kind", "model")
-            pipe.exists(keys.result_key(rid))
-        replies = pipe.execute()
-    blocked: set[str] = set()
-    picked: list[str] = []
-    for rid, (kind, model), done in zip(ids, replies[0::2], replies[1::2]):
-        if kind is None:
-            continue  # no record (malformed or foreign job): it gets its own error when popped
-        kind, model = kind.decode(), model.decode()
-        if kind != "sample":
-            blocked.add(model)
-        elif not done and model not in blocked:
-            picked.append(rid)
-            if len(picked) == limit:
-                break
-    return _load(connection, picked)
+# KEYS: queue, in-flight list. ARGV: job ids. Moves each id still queued; returns the ids moved.
+_CLAIM = """
+local claimed = {}
+for _, id in ipairs(ARGV) do
+  if redis.call('LREM', KEYS[1], 1, id) == 1 then
+    redis.call('RPUSH', KEYS[2], id)
+    table.insert(claimed, id)
+  end
+end
+return claimed
+"""
 
 
-def _load(connection: Redis, ids: list[str]) -> list[tuple[str, SampleRequest]]:
+@dataclass(frozen=True)
+class Claimed:
+    request_id: str
+    request: SampleRequest
+    job: Job
+
+
+class Batcher:
+    def __init__(self, connection: Redis, rq_result_ttl_s: int) -> None:
+        self.connection = connection
+        self.rq_result_ttl_s = rq_result_ttl_s
+        self._claim = connection.register_script(_CLAIM)
+
+    def claim(self, queue_key: str, shard: int, limit: int) -> list[Claimed]:
+        """Take up to `limit` queued samples that may be served now, in queue order."""
+        if limit <= 0:
+            return []
+        candidates = self._servable_ids(queue_key, limit)
+        loaded = {c.request_id: c for c in _load(self.connection, candidates)}
+        moved = self._claim(keys=[queue_key, keys.inflight_key(shard)], args=list(loaded)) if loaded else []
+        return [loaded[rid.decode()] for rid in moved]
+
+    def _servable_ids(self, queue_key: str, limit: int) -> list[str]:
+        ids = [i.decode() for i in self.connection.lrange(queue_key, 0, 2 * limit - 1)]
+        if not ids:
+            return []
+        with self.connection.pipeline(transaction=False) as pipe:
+            for rid in ids:
+                pipe.hmget(keys.request_key(rid), "kind", "model")
+            records = pipe.execute()
+        blocked: set[str] = set()
+        picked: list[str] = []
+        for rid, (kind, model) in zip(ids, records):
+            if kind is None:
+                continue  # no record (malformed or foreign job): it gets its own error when popped
+            if kind != b"sample":
+                blocked.add(model)
+            elif model not in blocked:
+                picked.append(rid)
+                if len(picked) == limit:
+                    break
+        return picked
+
+    def finish(self, shard: int, claimed: list[Claimed], worker_name: str | None) -> None:
+        """Mark served jobs FINISHED in RQ (for the dashboard) and drop them from the in-flight list."""
+        if not claimed:
+            return
+        ended = now()
+        with self.connection.pipeline() as pipe:
+            for item in claimed:
+                job = item.job
+                job.ended_at = ended
+                job.set_status(JobStatus.FINISHED, pipeline=pipe)
+                job.save(pipeline=pipe, include_meta=False, include_result=False)
+                Result.create(job, Result.Type.SUCCESSFUL, ttl=self.rq_result_ttl_s, pipeline=pipe,
+                              worker_name=worker_name or "",
+                              return_value={"request_id": item.request_id, "type": "sample", "batched": True})
+                FinishedJobRegistry(job.origin, connection=self.connection).add(job, self.rq_result_ttl_s, pipe)
+                pipe.lrem(keys.inflight_key(shard), 1, item.request_id)
+            pipe.execute()
+
+    def release(self, queue_key: str, shard: int, claimed: list[Claimed]) -> None:
+        """Put claimed jobs back at the head of the queue, in their order (after a failed batch)."""
+        with self.connection.pipeline() as pipe:
+            for item in reversed(claimed):
+                pipe.lrem(keys.inflight_key(shard), 1, item.request_id)
+                pipe.lpush(queue_key, item.request_id)
+            pipe.execute()
+
+
+def _load(connection: Redis, ids: list[str]) -> list[Claimed]:
     loaded = []
     for rid, job in zip(ids, Job.fetch_many(ids, connection=connection, serializer=JSONSerializer)):
         try:
@@ -53,5 +115,5 @@ def _load(connection: Redis, ids: list[str]) -> list[tuple[str, SampleRequest]]:
             log.debug("lookahead skips %s: its payload does not parse; it will fail on its own", rid)
             continue
         if isinstance(request, SampleRequest):
-            loaded.append((rid, request))
+            loaded.append(Claimed(rid, request, job))
     return loaded

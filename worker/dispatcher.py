@@ -18,6 +18,7 @@ from schemas import (
     parse_request,
 )
 from tinkerq import keys
+from tinkerq.keys import shard_of_queue
 from tinkerq.config import QueueConfig
 from worker import batching
 from worker.fencing import Fence, FencedOut
@@ -25,10 +26,6 @@ from worker.runtime import DomainError, Runtime
 from worker.sequencing import Sequencer
 
 log = logging.getLogger(__name__)
-
-
-def shard_of_queue(queue_name: str) -> int:
-    return int(queue_name.rsplit(".", 1)[1])
 
 
 def summary(request_id: str, result: Result) -> dict[str, Any]:
@@ -45,6 +42,7 @@ class Dispatcher:
         self.runtime = runtime
         self.fence = fence
         self.config = config
+        self.batcher = batching.Batcher(connection, config.rq_result_ttl_s)
         self.sequencer = Sequencer(connection, fence, config.seq_gap_timeout_s, self._execute, self.finish)
 
     def finish(self, shard: int, request_id: str, result: Result) -> bool:
@@ -112,11 +110,16 @@ class Dispatcher:
 
     def _sample(self, job: Job, shard: int, rid: str, request: SampleRequest) -> dict[str, Any]:
         queue_key = Queue.redis_queue_namespace_prefix + job.origin
-        batch = [(rid, request)] + batching.lookahead(self.connection, queue_key, self.config.max_batch_requests - 1)
-        results = self.runtime.sample([r for _, r in batch])
-        for (each_rid, _), result in zip(batch, results):
+        claimed = self.batcher.claim(queue_key, shard, self.config.max_batch_requests - 1)
+        try:
+            results = self.runtime.sample([request] + [c.request for c in claimed])
+        except BaseException:
+            self.batcher.release(queue_key, shard, claimed)  # each will be retried on its own
+            raise
+        for each_rid, result in zip([rid] + [c.request_id for c in claimed], results):
             self.finish(shard, each_rid, result)
-        return {"request_id": rid, "type": "sample", "batch": len(batch)}
+        self.batcher.finish(shard, claimed, job.worker_name)
+        return {"request_id": rid, "type": "sample", "batch": 1 + len(claimed)}
 
     def internal_error(self, job: Job, exc_type: type, exc: BaseException) -> None:
         """RQ exception handler: the job raised or timed out; its request still gets one result."""

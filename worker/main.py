@@ -15,7 +15,8 @@ from schemas import ErrorResponse
 from tinkerq import keys
 from tinkerq.config import QueueConfig
 from worker import context
-from worker.dispatcher import Dispatcher, shard_of_queue
+from tinkerq.keys import shard_of_queue
+from worker.dispatcher import Dispatcher
 from worker.fencing import Fence
 from worker.recovery import recover
 from worker.rq_worker import ShardWorker

@@ -14,6 +14,7 @@ from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 
 from tinkerq import keys
+from tinkerq.keys import shard_of_queue
 
 log = logging.getLogger(__name__)
 
@@ -24,12 +25,15 @@ def recover(connection: Redis, queue: Queue) -> list[str]:
     registry = StartedJobRegistry(queue=queue)
     candidates = [i.decode() if isinstance(i, bytes) else i for i in connection.lrange(intermediate.key, 0, -1)]
     candidates += [job_id for job_id, _ in registry.get_job_and_execution_ids(cleanup=False)]
+    inflight = keys.inflight_key(shard_of_queue(queue.name))
+    candidates += [i.decode() for i in connection.lrange(inflight, 0, -1)]
     ordered = sorted(set(candidates), key=lambda rid: _created(connection, rid))
     requeued = []
     for rid in reversed(ordered):  # pushing at the front in reverse keeps the original order
-        job = Job.fetch(rid, connection=connection, serializer=queue.serializer) if Job.exists(rid, connection) else None
+        job = _fetch(connection, queue, rid)
         with connection.pipeline() as pipe:
             pipe.lrem(intermediate.key, 0, rid)
+            pipe.lrem(inflight, 0, rid)
             if job is not None:
                 registry.remove_executions(job, pipeline=pipe)
             if job is not None and not connection.exists(keys.result_key(rid)):
@@ -40,6 +44,14 @@ def recover(connection: Redis, queue: Queue) -> list[str]:
     if requeued:
         log.warning("shard queue %s: requeued %d unfinished job(s) at the front", queue.name, len(requeued))
     return list(reversed(requeued))
+
+
+def _fetch(connection: Redis, queue: Queue, rid: str) -> Job | None:
+    try:
+        return Job.fetch(rid, connection=connection, serializer=queue.serializer)
+    except Exception:  # noqa: BLE001 - gone or unloadable: nothing to requeue
+        log.warning("in-flight job %s cannot be loaded; dropping it", rid)
+        return None
 
 
 def _created(connection: Redis, rid: str) -> float:
