@@ -42,10 +42,14 @@ class ResultWaiter:
         self._ready.wait(timeout=5)
 
     def _listen(self) -> None:
+        backoff = 0.0
         while not self._closed:
             pubsub = self.connection.pubsub(ignore_subscribe_messages=True)
             try:
                 pubsub.subscribe(keys.DONE_CHANNEL)
+                if backoff:
+                    log.warning("result waiter reconnected")
+                backoff = 0.0
                 self._ready.set()
                 self._wake_all()  # anything that landed while we were (re)connecting
                 while not self._closed:
@@ -55,8 +59,10 @@ class ResultWaiter:
             except Exception as exc:  # noqa: BLE001 - reconnect on any connection trouble
                 if self._closed:
                     return
-                log.warning("result waiter lost its pub/sub connection (%s); reconnecting", exc)
-                time.sleep(0.5)
+                if not backoff:
+                    log.warning("result waiter lost its pub/sub connection (%s); reconnecting", exc)
+                backoff = min(max(2 * backoff, 0.25), 5.0)
+                time.sleep(backoff)
             finally:
                 pubsub.close()
 

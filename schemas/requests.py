@@ -59,6 +59,8 @@ class WeightSyncRequest(_Strict):
     name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,128}$")
     # Assigned by the producer at enqueue (INCR); callers never set it.
     version: int | None = Field(None, ge=1)
+    # Tinker sends syncs in its training seq_id order; None runs it in queue order.
+    seq_id: int | None = Field(None, ge=0)
 
     @property
     def persist(self) -> bool:

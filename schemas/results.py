@@ -92,6 +92,8 @@ class LoadStateOutput(_Out):
     model_id: str
     path: str
     optimizer: bool
+    base_model: str | None = None
+    lora_rank: int | None = None
 
 
 class ErrorResponse(_Out):

@@ -1,5 +1,6 @@
 """Turn one dequeued job into exactly one stored result (or a parked training op)."""
 
+import json
 import logging
 from typing import Any
 
@@ -9,12 +10,13 @@ from rq import Queue
 from rq.job import Job
 
 from schemas import (
+    CreateModelOutput,
     ErrorResponse,
+    LoadStateOutput,
     Request,
     Result,
     SampleRequest,
     WeightSyncOutput,
-    WeightSyncRequest,
     parse_request,
 )
 from tinkerq import keys
@@ -70,9 +72,6 @@ class Dispatcher:
             return summary(rid, request)
         if isinstance(request, SampleRequest):
             return self._sample(job, shard, rid, request)
-        if isinstance(request, WeightSyncRequest):
-            self._execute(shard, rid, request)
-            return {"request_id": rid, "type": "weight_sync"}
         return {"request_id": rid, "seq": self.sequencer.submit(shard, rid, request)}
 
     def _parse(self, shard: int, rid: str, args: tuple, kwargs: dict) -> Request | ErrorResponse:
@@ -98,8 +97,11 @@ class Dispatcher:
             result = self.runtime.execute(request)
         except DomainError as exc:
             result = exc.response()
-        if isinstance(request, WeightSyncRequest) and not isinstance(result, ErrorResponse):
+        if isinstance(result, WeightSyncOutput):
             self._publish_sync(shard, result)
+        elif isinstance(result, (CreateModelOutput, LoadStateOutput)):
+            info = {"base_model": result.base_model, "lora_rank": result.lora_rank}
+            self.fence.hset(shard, keys.model_key(result.model_id, "info"), "json", json.dumps(info))
         self.finish(shard, rid, result)
 
     def _publish_sync(self, shard: int, result: WeightSyncOutput) -> None:

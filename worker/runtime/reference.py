@@ -22,6 +22,7 @@ from schemas import (
     SampleOutput,
     SampleRequest,
 )
+from worker.runtime import paths
 from worker.runtime.base import DomainError, Engine, Trainer
 
 
@@ -30,11 +31,16 @@ class ReferenceTrainer(Trainer):
         self.root = checkpoint_root
         self.steps: dict[str, int] = {}
         self.pending_grads: dict[str, int] = {}
+        self.bases: dict[str, str] = {}
 
     def has_model(self, model_id: str) -> bool:
         return model_id in self.steps
 
+    def base_model(self, model_id: str) -> str:
+        return self.bases[model_id]
+
     def create_model(self, request: CreateModelRequest) -> CreateModelOutput:
+        self.bases[request.model_id] = request.base_model
         self.steps[request.model_id] = 0
         self.pending_grads[request.model_id] = 0
         rank = request.lora.rank if request.lora else None
@@ -58,10 +64,10 @@ class ReferenceTrainer(Trainer):
         return {"step": self.steps[model_id]}
 
     def _write(self, model_id: str, kind: str, name: str) -> str:
-        path = self.root / model_id.replace(":", "_") / kind / f"{name}.json"
+        path = paths.checkpoint_file(self.root, model_id, kind, name, ".json")
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"model_id": model_id, "step": self.steps[model_id]}))
+        tmp.write_text(json.dumps({"model_id": model_id, "step": self.steps[model_id], "base_model": self.bases[model_id]}))
         tmp.rename(path)
         return str(path)
 
@@ -73,13 +79,15 @@ class ReferenceTrainer(Trainer):
 
     def load_state(self, request: LoadStateRequest) -> LoadStateOutput:
         try:
-            state = json.loads(Path(request.path).read_text())
+            state = json.loads(paths.resolve(self.root, request.path, ".json").read_text())
             step = int(state["step"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise DomainError(404, "checkpoint_unreadable", f"cannot load checkpoint {request.path!r}: {exc}") from exc
         self.steps[request.model_id] = step
         self.pending_grads[request.model_id] = 0
-        return LoadStateOutput(model_id=request.model_id, path=request.path, optimizer=request.optimizer)
+        self.bases[request.model_id] = request.base_model or state.get("base_model", "reference")
+        return LoadStateOutput(model_id=request.model_id, path=request.path, optimizer=request.optimizer,
+                               base_model=self.bases[request.model_id])
 
 
 class ReferenceEngine(Engine):

@@ -19,6 +19,7 @@ from schemas import (
     OptimStepRequest,
 )
 from schemas import LoraConfig as LoraSpec
+from worker.runtime import paths
 from worker.runtime.base import DomainError, Trainer
 from worker.torch_runtime import losses
 from worker.torch_runtime.bases import BaseModels, LoadedBase, adapter_name
@@ -151,9 +152,6 @@ class TorchTrainer(Trainer):
         trained = self.models[model_id]
         return export_adapter(trained.base, trained.adapter)
 
-    def _model_dir(self, model_id: str, kind: str) -> Path:
-        return self.root / adapter_name(model_id) / kind
-
     def save_sampler_weights(self, model_id: str, name: str) -> str:
         trained = self.models[model_id]
         with tempfile.TemporaryDirectory() as tmp:
@@ -162,7 +160,8 @@ class TorchTrainer(Trainer):
             save_merged(trained.base, trained.adapter, Path(tmp))
             (Path(tmp) / "adapter").mkdir()
             save_adapter(self.export_weights(model_id), Path(tmp) / "adapter", trained.base)
-            return str(write_archive(Path(tmp), self._model_dir(model_id, "sampler_weights") / f"{name}.tar.gz"))
+            target = paths.checkpoint_file(self.root, model_id, "sampler_weights", name, ".tar.gz")
+            return str(write_archive(Path(tmp), target))
 
     def save_state(self, model_id: str, name: str, include_optimizer: bool) -> str:
         trained = self.models[model_id]
@@ -172,12 +171,10 @@ class TorchTrainer(Trainer):
             (Path(tmp) / STATE_FILE).write_text(json.dumps(state))
             if include_optimizer:
                 torch.save(trained.optimizer.state_dict(), Path(tmp) / "optimizer.pt")
-            return str(write_archive(Path(tmp), self._model_dir(model_id, "weights") / f"{name}.tar.gz"))
+            return str(write_archive(Path(tmp), paths.checkpoint_file(self.root, model_id, "weights", name, ".tar.gz")))
 
     def load_state(self, request: LoadStateRequest) -> LoadStateOutput:
-        archive = Path(request.path).resolve()
-        if not archive.is_relative_to(self.root):
-            raise DomainError(400, "invalid_path", f"checkpoints load only from under {self.root}")
+        archive = paths.resolve(self.root, request.path, ".tar.gz")
         with tempfile.TemporaryDirectory() as tmp:
             directory = extract_archive(archive, Path(tmp) / "ckpt")
             try:
@@ -197,4 +194,5 @@ class TorchTrainer(Trainer):
                 trained.optimizer.load_state_dict(torch.load(optimizer_file, weights_only=True))
             else:
                 trained.optimizer.state.clear()
-        return LoadStateOutput(model_id=request.model_id, path=request.path, optimizer=request.optimizer)
+        return LoadStateOutput(model_id=request.model_id, path=request.path, optimizer=request.optimizer,
+                               base_model=trained.base.name, lora_rank=trained.spec.rank)
