@@ -78,6 +78,49 @@ class WorkerProc:
             self.proc.wait(timeout=30)
 
 
+class ApiProc(WorkerProc):
+    """`tinkerq api` on a free port, as users run it."""
+
+    def __init__(self, redis_url: str, env: dict[str, str]) -> None:
+        from tinkerq.redis_server import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(Path(env.get("TINKERQ_CHECKPOINT_ROOT", "/tmp")) / f"api-{time.time_ns()}.log", "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tinkerq.cli", "api", "--redis-url", redis_url, "--port", str(self.port),
+             "--log-level", "warning"],
+            env={**os.environ, **env, "PYTHONPATH": str(ROOT)}, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
+        )
+        import urllib.request
+
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"{self.url}/api/v1/healthz", timeout=1).read()
+                return
+            except OSError:
+                if not self.alive():
+                    raise RuntimeError(f"the API exited: {self.output()}") from None
+                time.sleep(0.1)
+        raise RuntimeError(f"the API did not come up: {self.output()}")
+
+
+@pytest.fixture
+def start_api(redis_url: str, config: QueueConfig, tmp_path: Path):
+    started: list[ApiProc] = []
+
+    def start(**env: str) -> ApiProc:
+        base = {"TINKERQ_NUM_SHARDS": str(config.num_shards), "TINKERQ_CHECKPOINT_ROOT": str(tmp_path)}
+        proc = ApiProc(redis_url, {**base, **env})
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.kill(signal.SIGTERM)
+
+
 @pytest.fixture
 def start_worker(redis_url: str, config: QueueConfig, tmp_path: Path):
     started: list[WorkerProc] = []

@@ -15,7 +15,7 @@ from schemas import (
     SamplingParams,
     WeightSyncRequest,
 )
-from worker.torch_runtime.local_models import LOCAL_MODELS, build
+from tinkerq.local_models import LOCAL_MODELS, build
 
 PROMPT = [5, 6, 7, 8]
 

@@ -44,6 +44,22 @@ def worker(
 
 
 @app.command()
+def api(
+    redis_url: RedisUrl = "redis://127.0.0.1:6379/0",
+    host: Annotated[str, typer.Option(help="interface to bind")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port to listen on")] = 8000,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning")] = "info",
+) -> None:
+    """Serve the Tinker HTTP protocol (point the tinker SDK's base_url here)."""
+    import uvicorn
+
+    from producer.api.app import create_app
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(create_app(redis_url), host=host, port=port, log_level=log_level.lower())
+
+
+@app.command()
 def demo(
     runtime: Annotated[str, typer.Option(help="torch (an RL loop) | reference (ordering only)")] = "torch",
     model: Annotated[str, typer.Option(help="base model for the torch runtime")] = "tinyq-micro",

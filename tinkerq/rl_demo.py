@@ -28,7 +28,7 @@ from schemas import (
     SamplingParams,
     WeightSyncRequest,
 )
-from worker.torch_runtime.local_models import corpus, resolve
+from tinkerq.local_models import corpus, resolve
 
 PROMPTS, GROUP, MAX_TOKENS = 8, 8, 12
 LEARNING_RATE = 1e-2

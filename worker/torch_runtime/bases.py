@@ -15,7 +15,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from worker.runtime.base import DomainError
-from worker.torch_runtime import local_models
+from tinkerq import local_models
 
 BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed batch
 

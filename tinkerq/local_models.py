@@ -69,9 +69,15 @@ def resolve(name_or_path: str) -> Path:
         known = ", ".join(sorted(LOCAL_MODELS))
         raise ValueError(f"unknown model {name_or_path!r}: use one of {known}, or a path to an HF-format directory")
     target = CACHE / f"{name_or_path}-v{FORMAT_VERSION}"
-    if not (target / "done").exists():
+    if cached_dir(name_or_path) is None:
         _build_locked(name_or_path, target)
     return target
+
+
+def cached_dir(name: str) -> Path | None:
+    """The built directory of a local model name, if it exists (never builds)."""
+    target = CACHE / f"{name}-v{FORMAT_VERSION}"
+    return target if (target / "done").exists() else None
 
 
 def _build_locked(name: str, target: Path) -> None:

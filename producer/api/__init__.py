@@ -1,0 +1,1 @@
+"""The Tinker-compatible HTTP API: the real `tinker` SDK drives the queue through it unmodified."""

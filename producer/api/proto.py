@@ -1,0 +1,110 @@
+"""Protobuf bodies of the Tinker wire protocol (schema imported from the `tinker` package)."""
+
+import math
+
+import numpy as np
+from google.protobuf.message import DecodeError
+from tinker.proto import tinker_public_pb2 as pb
+
+from schemas import Datum, ForwardBackwardOutput, SampleOutput
+
+_DTYPES = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
+TOPK_EMPTY_LOGPROB = -99999.0
+
+
+class BadProto(ValueError):
+    """The body is not a usable ForwardBackwardRequest; the message says why."""
+
+
+def parse_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
+    message = pb.ForwardBackwardRequest()
+    try:
+        message.ParseFromString(body)
+    except DecodeError as exc:
+        raise BadProto(f"the body is not a ForwardBackwardRequest protobuf: {exc}") from exc
+    return message
+
+
+def datums(message: pb.ForwardBackwardRequest) -> list[Datum]:
+    return [_datum(i, d) for i, d in enumerate(message.data)]
+
+
+def _datum(index: int, datum: pb.Datum) -> Datum:
+    tokens: list[int] = []
+    for chunk in datum.model_input:
+        if chunk.WhichOneof("chunk") != "encoded_text":
+            raise BadProto(f"data[{index}]: only encoded_text chunks are supported")
+        if len(chunk.encoded_text.tokens) % 4:
+            raise BadProto(f"data[{index}]: encoded_text.tokens is not an int32 array")
+        tokens += np.frombuffer(chunk.encoded_text.tokens, dtype="<i4").tolist()
+    inputs = {name: _tensor(index, name, tensor, len(tokens)) for name, tensor in datum.loss_fn_inputs.items()}
+    try:
+        return Datum(model_input=tokens, loss_fn_inputs=inputs)
+    except ValueError as exc:
+        raise BadProto(f"data[{index}]: {exc}") from exc
+
+
+def _tensor(index: int, name: str, tensor: pb.Tensor, length: int) -> list[float]:
+    where = f"data[{index}].loss_fn_inputs[{name!r}]"
+    if tensor.WhichOneof("encoding") != "dense":
+        raise BadProto(f"{where}: only dense tensors are supported")
+    dtype = _DTYPES.get(tensor.dtype)
+    if dtype is None:
+        raise BadProto(f"{where}: unsupported dtype {tensor.dtype}")
+    if len(tensor.dense) % np.dtype(dtype).itemsize:
+        raise BadProto(f"{where}: {len(tensor.dense)} bytes is not a whole number of {np.dtype(dtype).name}")
+    values = np.frombuffer(tensor.dense, dtype=np.dtype(dtype).newbyteorder("<"))
+    if list(tensor.shape) not in ([], [length]) or values.size != length:
+        raise BadProto(f"{where}: expected one value per model_input token ({length}), got shape "
+                       f"{list(tensor.shape)} with {values.size} values")
+    return values.astype(np.float64).tolist()
+
+
+def loss_config(message: pb.ForwardBackwardRequest) -> dict[str, float]:
+    if message.loss_fn_config_v2:
+        config = {}
+        for key, value in message.loss_fn_config_v2.items():
+            kind = value.WhichOneof("value")
+            try:
+                config[key] = value.number if kind == "number" else float(value.text)
+            except ValueError as exc:
+                raise BadProto(f"loss_fn_config[{key!r}] must be a number, got {value.text!r}") from exc
+        return config
+    return dict(message.loss_fn_config)
+
+
+def encode_forward_backward(output: ForwardBackwardOutput) -> bytes:
+    message = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics=output.metrics)
+    record = message.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(output.loss_fn_outputs))
+    names = output.loss_fn_outputs[0].keys() if output.loss_fn_outputs else ()
+    for name in names:
+        arrays = [np.asarray(d[name], dtype="<f4") for d in output.loss_fn_outputs]
+        offsets = np.concatenate([[0], np.cumsum([a.nbytes for a in arrays])]).astype("<i8")
+        record.fields[name].data = b"".join(a.tobytes() for a in arrays)
+        record.fields[name].offsets = offsets.tobytes()
+        record.fields[name].dtype = pb.DTYPE_FLOAT32
+    return message.SerializeToString()
+
+
+def encode_sample(output: SampleOutput, prompt_length: int) -> bytes:
+    message = pb.SampleResponse()
+    for seq in output.sequences:
+        message.sequences.add(
+            stop_reason=pb.STOP_REASON_STOP if seq.stop_reason == "stop" else pb.STOP_REASON_LENGTH,
+            tokens=np.asarray(seq.tokens, dtype="<i4").tobytes(),
+            logprobs=np.asarray(seq.logprobs, dtype="<f4").tobytes(),
+        )
+    if output.prompt_logprobs is not None:
+        values = [math.nan if v is None else v for v in output.prompt_logprobs]
+        message.prompt_logprobs = np.asarray(values, dtype="<f4").tobytes()
+    if output.topk_prompt_logprobs is not None:
+        top = output.topk_prompt_logprobs
+        k = max((len(row) for row in top.token_ids), default=0)
+        ids = np.zeros((prompt_length, k), dtype="<i4")
+        lps = np.full((prompt_length, k), TOPK_EMPTY_LOGPROB, dtype="<f4")
+        for row, (row_ids, row_lps) in enumerate(zip(top.token_ids, top.logprobs)):
+            ids[row, : len(row_ids)] = row_ids
+            lps[row, : len(row_lps)] = row_lps
+        message.topk_prompt_logprobs.CopyFrom(pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=lps.tobytes(),
+                                                              k=k, length=prompt_length))
+    return message.SerializeToString()

@@ -1,0 +1,16 @@
+"""Tinker's checkpoint URIs: tinker://<model_id>/(weights|sampler_weights)/<name>."""
+
+import re
+
+TINKER_URI = re.compile(r"^tinker://(?P<model>[A-Za-z0-9_.:-]{1,128})/(?P<kind>weights|sampler_weights)/"
+                        r"(?P<name>[A-Za-z0-9_.-]{1,128})$")
+
+
+def tinker_uri(model_id: str, kind: str, name: str) -> str:
+    return f"tinker://{model_id}/{kind}/{name}"
+
+
+def parse_tinker_uri(uri: str) -> tuple[str, str, str] | None:
+    """(model_id, kind, name), or None if `uri` is not a checkpoint URI."""
+    match = TINKER_URI.match(uri)
+    return (match["model"], match["kind"], match["name"]) if match else None
