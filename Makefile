@@ -1,7 +1,7 @@
 # Two commands do everything:  `make demo`  and  `make test`.  Both install what they need.
 VENV    ?= .venv
 PYTHON  ?= python3
-EXTRAS  ?= test,dashboard,torch
+EXTRAS  ?= test,dashboard,torch,api
 comma   := ,
 STAMP   := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 PYTEST_ARGS ?=

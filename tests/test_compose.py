@@ -27,7 +27,7 @@ def parse_cli(args: list[str]) -> tuple[str, dict]:
 
 
 def test_services_present():
-    assert {"redis", "worker", "dashboard"} <= set(SERVICES)
+    assert {"redis", "api", "worker", "dashboard"} <= set(SERVICES)
 
 
 def test_redis_keeps_queued_work_across_restarts():
@@ -45,6 +45,10 @@ def test_tinkerq_services_run_real_cli_commands_against_the_compose_redis(name):
     assert re.match(r"redis://redis:6379/\d+$", env["REDIS_URL"])
     if command == "worker":
         assert params["runtime"] in RUNTIMES
+    if command == "api":
+        assert params["host"] == "0.0.0.0"
+        assert f"{params['port']}:{params['port']}" in service["ports"]
+        assert "TINKERQ_API_KEYS" in env  # compose refuses to start the API without keys
 
 
 def test_every_tinkerq_service_agrees_on_the_shard_count():

@@ -132,3 +132,42 @@ def test_user_errors_fail_the_future_not_the_client(stack):
     assert "loss:sum" in trainer.forward_backward(sft_data(), "cross_entropy").result().metrics
     with pytest.raises(tinker.NotFoundError):
         client.create_lora_training_client(base_model="no-such-model", rank=4).result()
+
+
+def test_an_rl_loop_in_the_style_of_the_cookbook_learns(stack):
+    """tinker-cookbook's basic RL recipe, shrunk: sample groups, reward, center, importance_sampling."""
+    from transformers import AutoTokenizer
+
+    from tinkerq.local_models import resolve
+
+    client, api = stack
+    assert "auth is OFF" in api.output()  # no TINKERQ_API_KEYS here: said loudly at start-up
+    tokenizer = AutoTokenizer.from_pretrained(resolve(BASE))
+    is_word = np.array([tokenizer.decode([i]).strip().isalpha() for i in range(len(tokenizer))])
+    trainer = client.create_lora_training_client(base_model=BASE, rank=16, seed=0)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [20, 21]]
+    params = types.SamplingParams(max_tokens=10, temperature=1.0)
+    rewards_per_step = []
+    for _ in range(14):
+        sampler = trainer.save_weights_and_get_sampling_client()
+        futures = [sampler.sample(prompt=types.ModelInput.from_ints(p), num_samples=8, sampling_params=params)
+                   for p in prompts]
+        data, rewards = [], []
+        for prompt, future in zip(prompts, futures):
+            sequences = future.result().sequences
+            group = [float(is_word[list(s.tokens)].mean()) for s in sequences]
+            rewards += group
+            mean = float(np.mean(group))
+            for seq, reward in zip(sequences, group):
+                assert seq.logprobs is not None
+                pad = [0.0] * (len(prompt) - 1)
+                data.append(datum(prompt, list(seq.tokens),
+                                  logprobs=np.array(pad + list(seq.logprobs), dtype=np.float32),
+                                  advantages=np.array(pad + [reward - mean] * len(seq.tokens), dtype=np.float32)))
+        fb = trainer.forward_backward(data, "importance_sampling")
+        op = trainer.optim_step(types.AdamParams(learning_rate=2e-2))
+        fb.result()
+        op.result()
+        rewards_per_step.append(float(np.mean(rewards)))
+    first, last = np.mean(rewards_per_step[:3]), np.mean(rewards_per_step[-3:])
+    assert last > first + 0.2, rewards_per_step

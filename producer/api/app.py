@@ -93,6 +93,10 @@ def _install_handlers(app: FastAPI, deps: Deps) -> None:
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.code)
 
+    @app.exception_handler(proto.BadProto)
+    async def bad_proto(request: Request, exc: proto.BadProto) -> JSONResponse:
+        return error_response(400, str(exc), "invalid_request")
+
     @app.exception_handler(Rejected)
     async def rejected(request: Request, exc: Rejected) -> JSONResponse:
         return rejected_response(exc)

@@ -1,0 +1,227 @@
+"""The HTTP layer against real Redis: every status-code path, idempotency races, ordering, metrics."""
+
+import json
+import threading
+
+import numpy as np
+import pytest
+import zstandard
+from fastapi.testclient import TestClient
+from tinker.proto import tinker_public_pb2 as pb
+
+from conftest import burst_worker
+from producer.api.app import create_app
+from producer.api.settings import ApiSettings
+from schemas import Limits
+from tinkerq import keys
+
+KEY = {"X-API-Key": "tml-good"}
+PROTO = {"Content-Type": "application/x-protobuf"}
+
+
+@pytest.fixture
+def api(r, redis_url, config):
+    settings = ApiSettings(api_keys="tml-good,tml-other", max_body_bytes=64 * 1024, long_poll_s=0.5)
+    with TestClient(create_app(redis_url, settings, config)) as client:
+        yield client
+
+
+def post(api, path, body, headers=KEY):
+    return api.post(f"/api/v1/{path}", json=body, headers=headers)
+
+
+def session(api) -> str:
+    return post(api, "create_session", {"tags": []}).json()["session_id"]
+
+
+@pytest.fixture
+def drain(r, config, tmp_path):
+    """Run one in-process worker (reference runtime) until its queues are empty."""
+    worker = burst_worker(r, config, tmp_path)
+    return lambda: worker.run(burst=True, logging_level="WARNING")
+
+
+def model(api, drain, sid=None) -> str:
+    sid = sid or session(api)
+    out = post(api, "create_model", {"session_id": sid, "model_seq_id": 0, "base_model": "tinyq-micro",
+                                     "lora_config": {"rank": 4}}).json()
+    drain()
+    return out["model_id"]
+
+
+def fwdbwd(model_id: str, seq_id: int, tokens=(1, 2, 3), **extra) -> bytes:
+    message = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn="cross_entropy", **extra)
+    datum = message.data.add()
+    datum.model_input.add().encoded_text.tokens = np.asarray(tokens, dtype="<i4").tobytes()
+    target = datum.loss_fn_inputs["target_tokens"]
+    target.dense = np.asarray(tokens, dtype="<i8").tobytes()
+    target.dtype = pb.DTYPE_INT64
+    target.shape.append(len(tokens))
+    return message.SerializeToString()
+
+
+def test_health_openapi_and_metrics_need_no_key(api):
+    assert api.get("/api/v1/healthz").json() == {"status": "ok"}
+    spec = api.get("/openapi.json").json()
+    assert "/api/v1/create_model" in spec["paths"] and "/api/v1/asample" in spec["paths"]
+    assert "tinkerq_queue_depth" in api.get("/api/v1/metrics").text
+
+
+@pytest.mark.parametrize("headers", [{}, {"X-API-Key": "tml-wrong"}])
+def test_missing_or_unknown_key_is_401_with_a_message(api, headers):
+    response = post(api, "create_session", {}, headers=headers)
+    assert response.status_code == 401 and "X-API-Key" in response.json()["error"]
+
+
+def test_sessions_heartbeat_and_finish(api):
+    sid = session(api)
+    assert post(api, "session_heartbeat", {"session_id": sid}).status_code == 200
+    assert post(api, f"sessions/{sid}/finish", {"reason": {"type": "success"}}).status_code == 200
+    assert post(api, "session_heartbeat", {"session_id": sid}).status_code == 410
+    assert post(api, "session_heartbeat", {"session_id": "nope"}).status_code == 404
+    assert post(api, "session_heartbeat", {"session_id": "bad id!"}).status_code == 422
+
+
+@pytest.mark.parametrize(
+    "path,body,status",
+    [
+        ("create_model", {"session_id": "s", "model_seq_id": 0, "base_model": "tinyq-micro"}, 404),  # no session
+        ("get_info", {"model_id": "nobody:train:0"}, 404),
+        ("optim_step", {"model_id": "nobody:train:0", "seq_id": 1}, 404),
+        ("optim_step", {"model_id": "has space", "seq_id": 1}, 422),
+        ("asample", {"sampling_session_id": "nope", "seq_id": 0, "prompt": {"chunks": [{"tokens": [1]}]},
+                     "sampling_params": {"max_tokens": 4}}, 404),
+        ("retrieve_future", {"request_id": "never-seen"}, 404),
+        ("retrieve_future", {"request_id": "bad:id"}, 422),
+        ("create_sampling_session", {"session_id": "s", "sampling_session_seq_id": 0,
+                                     "model_path": "tinker://x/sampler_weights/y"}, 404),
+    ],
+)
+def test_unknown_things_and_malformed_ids_are_clear_4xx(api, path, body, status):
+    response = post(api, path, body)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]
+
+
+def test_create_model_validates_the_base_model_and_lora(api):
+    sid = session(api)
+    unknown = post(api, "create_model", {"session_id": sid, "model_seq_id": 0, "base_model": "gpt-17"})
+    assert unknown.status_code == 404 and "get_server_capabilities" in unknown.json()["error"]
+    bad_rank = post(api, "create_model", {"session_id": sid, "model_seq_id": 0, "base_model": "tinyq-micro",
+                                          "lora_config": {"rank": 0}})
+    assert bad_rank.status_code == 422
+
+
+def test_forward_backward_body_problems(api, drain, r, config):
+    model_id = model(api, drain)
+    depth = lambda: sum(Producer_depths(r, config))  # noqa: E731
+    before = depth()
+    wrong_type = api.post("/api/v1/forward_backward", content=fwdbwd(model_id, 1),
+                          headers={**KEY, "Content-Type": "application/json"})
+    truncated = api.post("/api/v1/forward_backward", content=fwdbwd(model_id, 1)[:-7], headers={**KEY, **PROTO})
+    garbage_zstd = api.post("/api/v1/forward_backward", content=b"not zstd",
+                            headers={**KEY, **PROTO, "Content-Encoding": "zstd"})
+    too_big = api.post("/api/v1/forward_backward", content=b"\x00" * (70 * 1024), headers={**KEY, **PROTO})
+    wrong_len = pb.ForwardBackwardRequest.FromString(fwdbwd(model_id, 1))
+    wrong_len.data[0].loss_fn_inputs["target_tokens"].shape[0] = 7
+    misaligned = api.post("/api/v1/forward_backward", content=wrong_len.SerializeToString(), headers={**KEY, **PROTO})
+    assert [x.status_code for x in (wrong_type, truncated, garbage_zstd, too_big, misaligned)] == \
+        [415, 400, 400, 413, 400]
+    for response in (wrong_type, truncated, garbage_zstd, too_big, misaligned):
+        assert response.json()["error"]
+    assert depth() == before  # nothing was enqueued
+    compressed = zstandard.ZstdCompressor().compress(fwdbwd(model_id, 1))
+    ok = api.post("/api/v1/forward_backward", content=compressed,
+                  headers={**KEY, **PROTO, "Content-Encoding": "zstd"})
+    assert ok.status_code == 200 and ok.json()["request_id"]
+
+
+def Producer_depths(r, config):  # noqa: N802 - a tiny local helper
+    return [r.llen(f"rq:queue:{keys.queue_name(k)}") for k in range(config.num_shards)]
+
+
+def test_chunks_run_in_seq_order_when_the_first_arrives_last(api, drain):
+    model_id = model(api, drain)
+    second = api.post("/api/v1/forward_backward", content=fwdbwd(model_id, 2, (4, 5, 6)), headers={**KEY, **PROTO})
+    step = post(api, "optim_step", {"model_id": model_id, "seq_id": 3, "adam_params": {"learning_rate": 0.1}})
+    first = api.post("/api/v1/forward_backward", content=fwdbwd(model_id, 1), headers={**KEY, **PROTO})
+    drain()
+    answers = [post(api, "retrieve_future", {"request_id": x.json()["request_id"]}) for x in (first, second)]
+    assert [a.headers["content-type"] for a in answers] == ["application/x-protobuf"] * 2, answers[0].text
+    outputs = [pb.ForwardBackwardOutput.FromString(a.content) for a in answers]
+    assert [o.metrics["step:max"] for o in outputs] == [0.0, 0.0]  # both chunks ran before the step
+    stepped = post(api, "retrieve_future", {"request_id": step.json()["request_id"]}).json()
+    assert stepped["metrics"]["step:max"] == 1.0
+
+
+def test_resent_seq_id_returns_the_first_request_and_a_different_body_is_rejected(api, drain):
+    model_id = model(api, drain)
+    body = {"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 0.01}}
+    first, again = post(api, "optim_step", body), post(api, "optim_step", body)
+    assert first.json()["request_id"] == again.json()["request_id"]
+    changed = post(api, "optim_step", {**body, "adam_params": {"learning_rate": 0.5}})
+    assert changed.status_code == 400 and "different body" in changed.json()["error"]
+
+
+def test_two_identical_submissions_at_once_make_one_job(api, drain, r, config):
+    model_id = model(api, drain)
+    body = {"model_id": model_id, "seq_id": 5, "adam_params": {}}
+    barrier, ids = threading.Barrier(8), []
+
+    def send():
+        barrier.wait()
+        ids.append(post(api, "optim_step", body).json()["request_id"])
+
+    threads = [threading.Thread(target=send) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(ids)) == 1
+    queued = r.lrange(f"rq:queue:{keys.queue_name(keys.shard_of(model_id, config.num_shards))}", 0, -1)
+    assert queued.count(ids[0].encode()) == 1
+
+
+def test_backpressure_is_a_429_that_enqueues_nothing(r, redis_url, config, drain, monkeypatch):
+    monkeypatch.setenv("TINKERQ_MAX_SHARD_QUEUE_DEPTH", "1")
+    with TestClient(create_app(redis_url, ApiSettings(api_keys="tml-good", long_poll_s=0.5), config)) as api:
+        sid = session(api)
+        model_id = model(api, drain, sid)
+        post(api, "optim_step", {"model_id": model_id, "seq_id": 1})  # fills the shard queue
+        full = post(api, "optim_step", {"model_id": model_id, "seq_id": 2})
+        assert full.status_code == 429 and full.headers["retry-after"] == "1"
+        assert "retry" in full.json()["error"]
+        assert Limits().max_shard_queue_depth == 1
+
+
+def test_invalid_json_and_limits(api, drain):
+    response = api.post("/api/v1/session_heartbeat", content=b"{not json", headers={**KEY,
+                                                                                  "Content-Type": "application/json"})
+    assert response.status_code == 422 and response.json()["error"]
+    model_id = model(api, drain)
+    sync = post(api, "save_weights_for_sampler", {"model_id": model_id, "seq_id": 1, "sampling_session_seq_id": 0})
+    drain()
+    sampler = post(api, "retrieve_future", {"request_id": sync.json()["request_id"]}).json()["sampling_session_id"]
+    base = {"sampling_session_id": sampler, "seq_id": 0, "prompt": {"chunks": [{"tokens": [1, 2]}]}}
+    too_many = post(api, "asample", {**base, "num_samples": 10_000, "sampling_params": {"max_tokens": 4}})
+    assert too_many.status_code == 400 and "TINKERQ_MAX_NUM_SAMPLES" in too_many.json()["error"]
+    no_max = post(api, "asample", {**base, "sampling_params": {}})
+    assert no_max.status_code == 400 and "max_tokens" in no_max.json()["error"]
+    alt = post(api, "asample", {**base, "prompt_alt_tokens_k": 2, "sampling_params": {"max_tokens": 4}})
+    assert alt.status_code == 400 and "prompt_alt_tokens_k" in alt.json()["error"]
+    mixed = post(api, "asample", {**base, "sampling_params": {"max_tokens": 4, "stop": ["a", 3]}})
+    assert mixed.status_code == 422
+
+
+def test_pending_futures_say_try_again_and_failures_are_error_bodies(api, drain, r):
+    model_id = model(api, drain)
+    step = post(api, "optim_step", {"model_id": model_id, "seq_id": 1}).json()["request_id"]
+    pending = post(api, "retrieve_future", {"request_id": step})
+    assert pending.status_code == 200 and pending.json()["type"] == "try_again"
+    bad = api.post("/api/v1/forward_backward", content=fwdbwd(model_id, 2, (1, 2, 3)), headers={**KEY, **PROTO})
+    r.set(keys.result_key(bad.json()["request_id"]), json.dumps(
+        {"type": "error", "error": "boom", "status": 400, "code": "invalid_request"}))
+    failed = post(api, "retrieve_future", {"request_id": bad.json()["request_id"]}).json()
+    assert failed == {"error": "invalid_request: boom", "category": "user"}
+    metrics = api.get("/api/v1/metrics").text
+    assert 'tinkerq_results_total{kind="forward_backward",outcome="invalid_request"} 1.0' in metrics
