@@ -19,7 +19,7 @@ from redis.asyncio import Redis as AsyncRedis
 from producer.api import bodies, proto
 from producer.api.errors import ApiError, error_response, rejected_response
 from producer.api.limits import BodySizeLimit
-from producer.api.metrics import Metrics
+from producer.api.metrics import Metrics, ObserveLatency
 from producer.api.settings import ApiSettings
 from producer.api.state import ApiState
 from producer.api.waiter import AsyncResultWaiter
@@ -82,6 +82,7 @@ def create_app(redis_url: str, settings: ApiSettings | None = None, config: Queu
     app = FastAPI(title="tinkerq", summary="Tinker-compatible API over a Redis/RQ job queue", lifespan=lifespan)
     app.state.deps = deps
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(ObserveLatency, histogram=deps.metrics.latency)
     _install_handlers(app, deps)
     for router in _routes(deps):
         app.include_router(router)
@@ -106,14 +107,6 @@ def _install_handlers(app: FastAPI, deps: Deps) -> None:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
         return error_response(422, f"invalid request body: {problems}", "invalid_request")
 
-    @app.middleware("http")
-    async def observe(request: Request, call_next):
-        started = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        deps.metrics.latency.labels(getattr(route, "path", "unmatched"), request.method,
-                                    str(response.status_code)).observe(time.perf_counter() - started)
-        return response
 
 
 def _authorize(deps: Deps):
