@@ -224,4 +224,4 @@ def test_pending_futures_say_try_again_and_failures_are_error_bodies(api, drain,
     failed = post(api, "retrieve_future", {"request_id": bad.json()["request_id"]}).json()
     assert failed == {"error": "invalid_request: boom", "category": "user"}
     metrics = api.get("/api/v1/metrics").text
-    assert 'tinkerq_results_total{kind="forward_backward",outcome="invalid_request"} 1.0' in metrics
+    assert 'tinkerq_results_total{kind="error",outcome="invalid_request"} 1.0' in metrics

@@ -200,7 +200,6 @@ def _routes(deps: Deps):
         lora = LoraConfig(**body.lora_config.model_dump())
         ticket = await deps.submit(CreateModelRequest(model_id=model_id, base_model=body.base_model, lora=lora,
                                                       seq_id=0))
-        await state.note(ticket.request_id, {"kind": "create_model"})
         return {"request_id": ticket.request_id, "model_id": model_id}
 
     @api.post("/get_info")
@@ -224,7 +223,6 @@ def _routes(deps: Deps):
         except ValidationError as exc:
             raise ApiError(400, f"invalid forward_backward: {exc}", "invalid_request") from exc
         ticket = await deps.submit(op)
-        await state.note(ticket.request_id, {"kind": "forward_backward"})
         return {"request_id": ticket.request_id, "model_id": message.model_id}
 
     @api.post("/optim_step")
@@ -232,7 +230,6 @@ def _routes(deps: Deps):
         await known_model(body.model_id)
         ticket = await deps.submit(OptimStepRequest(model_id=body.model_id, seq_id=body.seq_id,
                                                     adam_params=AdamParams(**body.adam_params.model_dump())))
-        await state.note(ticket.request_id, {"kind": "optim_step"})
         return {"request_id": ticket.request_id, "model_id": body.model_id}
 
     @api.post("/save_weights_for_sampler")
@@ -269,7 +266,6 @@ def _routes(deps: Deps):
             raise ApiError(400, "load_weights needs model_id, or session_id and model_seq_id", "invalid_request")
         ticket = await deps.submit(LoadStateRequest(model_id=model_id, path=body.path, optimizer=body.optimizer,
                                                     seq_id=seq_id))
-        await state.note(ticket.request_id, {"kind": "load_state"})
         return {"request_id": ticket.request_id, "model_id": model_id}
 
     # -- sampling ------------------------------------------------------------------------------
@@ -309,7 +305,6 @@ def _routes(deps: Deps):
         request = _sample_request(body, sampler)
         # The SDK resends a 429'd sample with the same seq_id: the same request id makes it idempotent.
         ticket = await deps.submit(request, _derived_id("sa", body.sampling_session_id, body.seq_id))
-        await state.note(ticket.request_id, {"kind": "sample", "prompt_length": len(request.prompt_tokens)})
         ids = [f"{body.sampling_session_id}:{body.seq_id}:{i}" for i in range(body.num_samples)]
         return {"request_id": ticket.request_id, "sample_sequence_ids": ids}
 
@@ -322,11 +317,11 @@ def _routes(deps: Deps):
             if not await state.redis.exists(keys.request_key(body.request_id)):
                 raise ApiError(404, f"unknown request id {body.request_id!r}", "unknown_request")
             return {"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
-        note = await state.get_note(body.request_id) or {}
         result = parse_result(raw)
-        deps.metrics.results.labels(note.get("kind", result.type),
-                                    result.code if isinstance(result, ErrorResponse) else "ok").inc()
-        return _render(result, note)
+        deps.metrics.results.labels(result.type, result.code if isinstance(result, ErrorResponse) else "ok").inc()
+        # Only syncs and saves need what the API noted at submit (paths, sampling session ids).
+        note = await state.get_note(body.request_id) if result.type in ("weight_sync", "save_state") else {}
+        return _render(result, note or {})
 
     return [public, api]
 
@@ -378,7 +373,7 @@ def _render(result, note: dict) -> Response | dict:
             category = "user" if result.status < 500 else "server"
             return JSONResponse({"error": f"{result.code}: {result.error}", "category": category})
         case "sample":
-            return Response(proto.encode_sample(result, note.get("prompt_length", 0)), media_type=PROTO)
+            return Response(proto.encode_sample(result), media_type=PROTO)
         case "forward_backward":
             return Response(proto.encode_forward_backward(result), media_type=PROTO)
         case "create_model":

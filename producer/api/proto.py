@@ -86,7 +86,7 @@ def encode_forward_backward(output: ForwardBackwardOutput) -> bytes:
     return message.SerializeToString()
 
 
-def encode_sample(output: SampleOutput, prompt_length: int) -> bytes:
+def encode_sample(output: SampleOutput) -> bytes:
     message = pb.SampleResponse()
     for seq in output.sequences:
         message.sequences.add(
@@ -99,6 +99,7 @@ def encode_sample(output: SampleOutput, prompt_length: int) -> bytes:
         message.prompt_logprobs = np.asarray(values, dtype="<f4").tobytes()
     if output.topk_prompt_logprobs is not None:
         top = output.topk_prompt_logprobs
+        prompt_length = len(top.token_ids)  # one row per prompt position
         k = max((len(row) for row in top.token_ids), default=0)
         ids = np.zeros((prompt_length, k), dtype="<i4")
         lps = np.full((prompt_length, k), TOPK_EMPTY_LOGPROB, dtype="<f4")

@@ -23,6 +23,8 @@ class ApiState:
     def __init__(self, redis: Redis, ttl_s: int) -> None:
         self.redis = redis
         self.ttl_s = ttl_s
+        # A sampling session never changes once made, so every sample need not read it from Redis.
+        self._samplers: dict[str, dict[str, str]] = {}
 
     async def create_session(self) -> str:
         session_id = uuid.uuid4().hex
@@ -48,8 +50,15 @@ class ApiState:
         await self.redis.expire(SAMPLER_PREFIX + sampler_id, self.ttl_s)
 
     async def sampler(self, sampler_id: str) -> dict[str, str] | None:
+        if sampler_id in self._samplers:
+            return self._samplers[sampler_id]
         raw = await self.redis.hgetall(SAMPLER_PREFIX + sampler_id)
-        return {k.decode(): v.decode() for k, v in raw.items()} if raw else None
+        if not raw:
+            return None
+        if len(self._samplers) >= 10000:
+            self._samplers.clear()
+        self._samplers[sampler_id] = {k.decode(): v.decode() for k, v in raw.items()}
+        return self._samplers[sampler_id]
 
     async def name_snapshot(self, model_id: str, name: str, version: int) -> None:
         await self.redis.hset(keys.model_key(model_id, "named"), name, version)
