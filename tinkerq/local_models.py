@@ -30,12 +30,25 @@ class Shape:
     intermediate: int
     vocab: int
     context: int = 1024
+    tie_embeddings: bool = False
+    # Tokenizer vocabulary; the model's may be larger (realistic shapes keep their real vocab size).
+    tokenizer_vocab: int | None = None
+    # Tiny models get a wider init than HF's 0.02, for a less uniform (more interesting) policy.
+    wide_init: bool = True
+    save_dtype: str = "float32"
 
 
 # hidden/heads >= 32: vLLM's CPU attention supports no smaller head size.
 LOCAL_MODELS: dict[str, Shape] = {
     "tinyq-micro": Shape(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, vocab=2048),
     "tinyq-small": Shape(hidden=256, layers=4, heads=8, kv_heads=4, intermediate=768, vocab=4096),
+    # Random weights in the shapes of Qwen2.5-0.5B and -1.5B: for GPU throughput and sync measurements.
+    "randq-0.5b": Shape(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936,
+                        context=32768, tie_embeddings=True, tokenizer_vocab=4096, wide_init=False,
+                        save_dtype="bfloat16"),
+    "randq-1.5b": Shape(hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, vocab=151936,
+                        context=32768, tie_embeddings=True, tokenizer_vocab=4096, wide_init=False,
+                        save_dtype="bfloat16"),
 }
 
 WORDS = (
@@ -104,7 +117,7 @@ def build(name: str, shape: Shape, out: Path, seed: int = 0) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|pad|>"]
-    trainer = trainers.BpeTrainer(vocab_size=shape.vocab, special_tokens=specials,
+    trainer = trainers.BpeTrainer(vocab_size=shape.tokenizer_vocab or shape.vocab, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(corpus(seed), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=specials[0], bos_token=specials[0],
@@ -114,14 +127,15 @@ def build(name: str, shape: Shape, out: Path, seed: int = 0) -> None:
         vocab_size=shape.vocab, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
         intermediate_size=shape.intermediate, max_position_embeddings=shape.context,
-        tie_word_embeddings=False, torch_dtype="float32",
+        tie_word_embeddings=shape.tie_embeddings, torch_dtype=shape.save_dtype,
         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id,
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
-    with torch.no_grad():  # a wider init than HF's 0.02 gives a less uniform, more interesting policy
-        for param in model.parameters():
-            if param.dim() > 1:
-                param.normal_(0.0, 0.2 if param.shape[-1] == shape.hidden else 0.05)
-    model.save_pretrained(out, safe_serialization=True)
+    if shape.wide_init:
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.dim() > 1:
+                    param.normal_(0.0, 0.2 if param.shape[-1] == shape.hidden else 0.05)
+    model.to(getattr(torch, shape.save_dtype)).save_pretrained(out, safe_serialization=True)
     (out / "tinkerq.json").write_text(json.dumps({"name": name, "seed": seed, "format": FORMAT_VERSION}))

@@ -89,10 +89,10 @@ class WorkerProcess:
             name=f"{self.name}-{self._incarnation}",
             tick_s=self.config.tick_s,
             on_tick=self._tick,
+            on_unloadable=self._on_unloadable,
             log_job_description=False,
         )
         worker.push_exc_handler(self._on_job_exception)
-        worker.on_unloadable = self._on_unloadable
         return worker
 
     def _tick(self) -> None:

@@ -37,9 +37,17 @@ class AllowlistJob(Job):
 class ShardWorker(SimpleWorker):
     job_class = AllowlistJob
 
-    def __init__(self, *args, tick_s: int = 1, on_tick: Callable[[], None] | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        tick_s: int = 1,
+        on_tick: Callable[[], None] | None = None,
+        on_unloadable: Callable[[str, object, Exception], None] | None = None,
+        **kwargs,
+    ) -> None:
         self.tick_s = tick_s  # read by RQ's __init__ (connection timeout)
         self.on_tick = on_tick
+        self.on_unloadable = on_unloadable
         super().__init__(*args, job_class=AllowlistJob, serializer="json", **kwargs)
         self.running: tuple | None = None
         self.stop_reason: str | None = None
@@ -88,10 +96,8 @@ class ShardWorker(SimpleWorker):
                     raise
                 # The job hash exists but RQ cannot even load it: answer it and move on.
                 log.error("job %s cannot be loaded (%s); answering it with an error", job_id, exc)
-                self.on_unloadable(job_id, exc.queue, exc)
-
-    def on_unloadable(self, job_id: str, queue, exc: Exception) -> None:  # replaced by the runner
-        pass
+                if self.on_unloadable is not None:
+                    self.on_unloadable(job_id, exc.queue, exc)
 
     def stop(self, reason: str) -> None:
         """Ask the loop to return after the current job (used when leases change)."""

@@ -39,20 +39,25 @@ def _stop_ids(params: SamplingParams, eos_id: int | None) -> set[int]:
     return ids
 
 
-def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    if params.temperature == 0:
-        return int(torch.argmax(logits))
-    scaled = logits / params.temperature
-    if params.top_k > 0:
-        kth = torch.topk(scaled, min(params.top_k, scaled.numel())).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(scaled, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= params.top_p  # keep the token crossing p
-        scaled = scaled.scatter(0, order[drop], float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+def draw(logits: torch.Tensor, rows: list["Row"], generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row, all rows at once: temperature, top-k and top-p per row, then the Gumbel-max
+    trick with noise from each row's own generator (so a seeded row draws the same tokens in any batch)."""
+    width = logits.shape[-1]
+    temperature = torch.tensor([r.params.temperature for r in rows], device=logits.device)
+    greedy = temperature == 0
+    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    ranked, order = torch.sort(scaled, dim=-1, descending=True)
+    top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else width for r in rows], device=logits.device)
+    kth = ranked.gather(-1, (top_k.clamp(max=width) - 1)[:, None])
+    keep_sorted = ranked >= kth
+    top_p = torch.tensor([r.params.top_p for r in rows], device=logits.device)
+    probs = torch.softmax(ranked.masked_fill(~keep_sorted, float("-inf")), dim=-1)
+    keep_sorted &= probs.cumsum(-1) - probs < top_p[:, None]  # keep the token that crosses p
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    noise = torch.stack([torch.rand(width, generator=g, device=logits.device) for g in generators])
+    gumbel = -torch.log(-torch.log(noise.clamp(1e-20, 1.0 - 1e-7)))
+    sampled = torch.argmax(scaled.masked_fill(~keep, float("-inf")) + gumbel, dim=-1)
+    return torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
 
 
 class Sampler:
@@ -80,21 +85,19 @@ class Sampler:
         scores = self._prompt_scores(rows, out.logits, width, topk) if want_prompt_scores else [None] * len(rows)
         logits = out.logits[:, -1].float()
         cache, last_pos = out.past_key_values, positions[:, -1]
-        generators = [torch.Generator().manual_seed(r.seed) for r in rows]
+        generators = [torch.Generator(device=self.device).manual_seed(r.seed) for r in rows]
         stops = [_stop_ids(r.params, self.eos_id) for r in rows]
         for step in range(max(r.params.max_tokens for r in rows)):
-            logprobs = torch.log_softmax(logits, dim=-1)
-            next_ids = torch.full((len(rows),), self.pad_id, dtype=torch.long)
-            for i, row in enumerate(rows):
+            next_ids = draw(logits, rows, generators)
+            chosen = torch.log_softmax(logits, dim=-1).gather(-1, next_ids[:, None])[:, 0]
+            for row, token, logprob, stop_ids in zip(rows, next_ids.tolist(), chosen.tolist(), stops):
                 if row.stop_reason is None:
-                    token = _draw(logits[i], row.params, generators[i])
-                    next_ids[i] = token
-                    self._append(row, token, float(logprobs[i, token]), stops[i])
+                    self._append(row, token, logprob, stop_ids)
             if all(r.stop_reason is not None for r in rows):
                 break
             mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long, device=self.device)], dim=1)
             last_pos = last_pos + 1
-            out = self.model(input_ids=next_ids[:, None].to(self.device), attention_mask=mask,
+            out = self.model(input_ids=next_ids[:, None], attention_mask=mask,
                              position_ids=last_pos[:, None], cache=cache, adapter_names=adapters,
                              use_cache=True)
             cache, logits = out.past_key_values, out.logits[:, -1].float()
