@@ -53,7 +53,12 @@ def timed(fn):
     return out, time.perf_counter() - t0
 
 
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
 def run_model(name: str, args, bandwidth: float) -> dict:
+    log(f"{name}: building/loading")
     path = resolve(name)
     rt = build_runtime(RuntimeConfig(runtime="torch", device="cuda", dtype="bfloat16",
                                      checkpoint_root=tempfile.mkdtemp(prefix="gpu-bench-"), max_snapshots=8))
@@ -66,11 +71,13 @@ def run_model(name: str, args, bandwidth: float) -> dict:
                               num_samples=args.num_samples, weights_version=0,
                               sampling_params=SamplingParams(max_tokens=args.max_tokens, seed=i, stop=[]))
                 for i in range(args.requests)]
+    log(f"{name}: model ready ({model_bytes / 2**30:.2f} GiB), sampling")
     rt.sample(requests[:2])  # warm-up
     rates = []
     for _ in range(args.repeats):
         outputs, seconds = timed(lambda: rt.sample(requests))
         rates.append(sum(len(s.tokens) for o in outputs for s in o.sequences) / seconds)
+        log(f"{name}: {rates[-1]:.0f} tokens/s")
     syncs: dict[str, list[float]] = {"transient": [], "named": []}
     version = 0
     for kind in ("transient", "named"):
@@ -99,6 +106,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "out")) + "/gpu_engine.json")
     args = parser.parse_args()
+    log("measuring HBM bandwidth")
     bandwidth = hbm_bandwidth("cuda")
     print(f"{torch.cuda.get_device_name()}: device copy {bandwidth / 1e12:.2f} TB/s (read+write)", flush=True)
     results = []
