@@ -4,7 +4,7 @@
 
 For each model (random weights in a real model's shape, bfloat16): create a LoRA model, then
   * sampling: every request in one `Runtime.sample()` call (what the worker does with a batch);
-  * syncs: transient (LoRA tensors into a new frozen adapter) and named (+ merged HF tar.gz), median of 5;
+  * syncs: transient (LoRA tensors into a new frozen adapter) and named (+ merged HF tar.gz), medians;
   * floors: LoRA bytes and full model bytes over the HBM bandwidth measured in the same run.
 No Redis and no queue here: this is the engine side of the worker. Prints a table, writes JSON.
 """
@@ -81,7 +81,8 @@ def run_model(name: str, args, bandwidth: float) -> dict:
     syncs: dict[str, list[float]] = {"transient": [], "named": []}
     version = 0
     for kind in ("transient", "named"):
-        for _ in range(5):
+        log(f"{name}: {kind} syncs")
+        for _ in range(args.sync_repeats):
             version += 1
             request = WeightSyncRequest(model_id=model, version=version, name="snap" if kind == "named" else None)
             _, seconds = timed(lambda: rt.execute(request))
@@ -104,6 +105,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sync-repeats", type=int, default=5)
     parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "out")) + "/gpu_engine.json")
     args = parser.parse_args()
     log("measuring HBM bandwidth")

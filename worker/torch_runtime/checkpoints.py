@@ -17,7 +17,8 @@ def write_archive(source_dir: Path, target: Path) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     os.close(fd)
     try:
-        with tarfile.open(tmp, "w:gz") as tar:
+        # Level 1: weights barely compress, and level 9 costs minutes on a GB-sized model.
+        with tarfile.open(tmp, "w:gz", compresslevel=1) as tar:
             for path in sorted(source_dir.iterdir()):
                 tar.add(path, arcname=path.name, recursive=True)
         os.replace(tmp, target)
