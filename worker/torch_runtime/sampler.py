@@ -46,18 +46,24 @@ def draw(logits: torch.Tensor, rows: list["Row"], generators: list[torch.Generat
     temperature = torch.tensor([r.params.temperature for r in rows], device=logits.device)
     greedy = temperature == 0
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
-    ranked, order = torch.sort(scaled, dim=-1, descending=True)
-    top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else width for r in rows], device=logits.device)
-    kth = ranked.gather(-1, (top_k.clamp(max=width) - 1)[:, None])
-    keep_sorted = ranked >= kth
-    top_p = torch.tensor([r.params.top_p for r in rows], device=logits.device)
-    probs = torch.softmax(ranked.masked_fill(~keep_sorted, float("-inf")), dim=-1)
-    keep_sorted &= probs.cumsum(-1) - probs < top_p[:, None]  # keep the token that crosses p
-    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    if any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows):  # the sort is the costly part
+        scaled = scaled.masked_fill(~_nucleus(scaled, rows), float("-inf"))
     noise = torch.stack([torch.rand(width, generator=g, device=logits.device) for g in generators])
     gumbel = -torch.log(-torch.log(noise.clamp(1e-20, 1.0 - 1e-7)))
-    sampled = torch.argmax(scaled.masked_fill(~keep, float("-inf")) + gumbel, dim=-1)
+    sampled = torch.argmax(scaled + gumbel, dim=-1)
     return torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
+
+
+def _nucleus(scaled: torch.Tensor, rows: list["Row"]) -> torch.Tensor:
+    """Which tokens each row may draw under its top-k and top-p."""
+    width = scaled.shape[-1]
+    ranked, order = torch.sort(scaled, dim=-1, descending=True)
+    top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else width for r in rows], device=scaled.device)
+    keep_sorted = ranked >= ranked.gather(-1, (top_k.clamp(max=width) - 1)[:, None])
+    top_p = torch.tensor([r.params.top_p for r in rows], device=scaled.device)
+    probs = torch.softmax(ranked.masked_fill(~keep_sorted, float("-inf")), dim=-1)
+    keep_sorted &= probs.cumsum(-1) - probs < top_p[:, None]  # keep the token that crosses p
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
 
 
 class Sampler:
