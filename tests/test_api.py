@@ -225,3 +225,30 @@ def test_pending_futures_say_try_again_and_failures_are_error_bodies(api, drain,
     assert failed == {"error": "invalid_request: boom", "category": "user"}
     metrics = api.get("/api/v1/metrics").text
     assert 'tinkerq_results_total{kind="error",outcome="invalid_request"} 1.0' in metrics
+
+
+def test_many_pollers_of_one_future_share_one_listener(r, redis_url, config, drain):
+    settings = ApiSettings(api_keys="tml-good", long_poll_s=20)
+    with TestClient(create_app(redis_url, settings, config)) as api:
+        _many_pollers(api, drain, r)
+
+
+def _many_pollers(api, drain, r):
+    model_id = model(api, drain)
+    rid = post(api, "optim_step", {"model_id": model_id, "seq_id": 1}).json()["request_id"]
+    gets_before = int(r.info("commandstats").get("cmdstat_get", {}).get("calls", 0))
+    answers: list[dict] = []
+
+    def poll():
+        answers.append(post(api, "retrieve_future", {"request_id": rid}).json())
+
+    pollers = [threading.Thread(target=poll) for _ in range(16)]
+    for t in pollers:
+        t.start()
+    threading.Event().wait(0.2)
+    drain()  # the worker stores the result and announces it once
+    for t in pollers:
+        t.join()
+    assert [a.get("metrics", {}).get("step:max") for a in answers] == [1.0] * 16
+    gets = int(r.info("commandstats")["cmdstat_get"]["calls"]) - gets_before
+    assert gets < 16 * 3, f"{gets} GETs for 16 pollers"
