@@ -21,11 +21,19 @@ class FaultyEngine(ReferenceEngine):
         return super().generate(requests)
 
 
+BAD_LEARNING_RATE = 0.666  # an optim_step with this learning rate raises
+
+
 class SlowCreateTrainer(ReferenceTrainer):
     def create_model(self, request):
         if request.base_model == "stall":
             time.sleep(3)
         return super().create_model(request)
+
+    def optim_step(self, request):
+        if request.adam_params.learning_rate == BAD_LEARNING_RATE:
+            raise RuntimeError("optimizer exploded")
+        return super().optim_step(request)
 
 
 def make(config: RuntimeConfig) -> Runtime:

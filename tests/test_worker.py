@@ -235,6 +235,27 @@ def test_a_job_that_raises_or_times_out_still_gets_exactly_one_result(r, produce
     assert Job.fetch(boom.request_id, connection=r, serializer="json").get_status() == JobStatus.FAILED
 
 
+def test_a_training_op_that_raises_gets_its_error_and_later_ops_still_run(r, producer, config, tmp_path):
+    import faulty_runtime
+
+    from schemas import AdamParams
+
+    create(producer)
+    bad = AdamParams(learning_rate=faulty_runtime.BAD_LEARNING_RATE)
+    late = producer.submit(OptimStepRequest(model_id=M, seq_id=3))
+    parked_bad = producer.submit(OptimStepRequest(model_id=M, seq_id=2, adam_params=bad))  # raises when drained
+    first = producer.submit(OptimStepRequest(model_id=M, seq_id=1))
+    then_bad = producer.submit(OptimStepRequest(model_id=M, seq_id=4, adam_params=bad))  # raises as the job in hand
+    after = producer.submit(OptimStepRequest(model_id=M, seq_id=5))
+    drain(r, config, tmp_path, runtime="faulty_runtime:make")
+    assert result(producer, first).metrics["step:max"] == 1
+    assert (result(producer, parked_bad).code, result(producer, parked_bad).status) == ("internal_error", 500)
+    assert result(producer, late).metrics["step:max"] == 2
+    assert result(producer, then_bad).code == "internal_error"
+    assert result(producer, after).metrics["step:max"] == 3
+    assert Job.fetch(then_bad.request_id, connection=r, serializer="json").get_status() == JobStatus.FAILED
+
+
 def test_heartbeats_continue_while_a_long_job_runs(r, producer, config, tmp_path):
     import faulty_runtime
 

@@ -97,6 +97,10 @@ class Dispatcher:
             result = self.runtime.execute(request)
         except DomainError as exc:
             result = exc.response()
+        except Exception as exc:
+            # This op may be a parked one run inside another job: answer it here, then let RQ see it.
+            self.fail(shard, rid, classify(type(exc), exc))
+            raise
         if isinstance(result, WeightSyncOutput):
             self._publish_sync(shard, result)
         elif isinstance(result, (CreateModelOutput, LoadStateOutput)):

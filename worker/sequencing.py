@@ -7,6 +7,7 @@ gets an ErrorResponse, and the model's sequence moves past it so later ops are n
 """
 
 import json
+import logging
 import time
 from collections.abc import Callable
 
@@ -15,6 +16,8 @@ from redis import Redis
 from schemas import ErrorResponse, Request, parse_request
 from tinkerq import keys
 from worker.fencing import Fence
+
+log = logging.getLogger(__name__)
 
 Execute = Callable[[int, str, Request], None]
 Finish = Callable[[int, str, ErrorResponse], None]
@@ -59,8 +62,10 @@ class Sequencer:
         return "ran"
 
     def _run_in_order(self, shard: int, rid: str, request: Request) -> None:
-        self.execute(shard, rid, request)
-        self.fence.set_counter(shard, keys.model_key(request.model_id, "seq"), request.seq_id)
+        try:
+            self.execute(shard, rid, request)
+        finally:  # an op that failed still took its turn: later ops must not wait for it
+            self.fence.set_counter(shard, keys.model_key(request.model_id, "seq"), request.seq_id)
 
     def _hold(self, shard: int, rid: str, request: Request) -> None:
         with self.connection.pipeline() as pipe:
@@ -95,8 +100,13 @@ class Sequencer:
                 continue
             if seq_id <= last:
                 self.finish(shard, rid, _stale(model_id, seq_id, last))
-            else:
+                continue
+            try:
                 self._run_in_order(shard, rid, request)
+            except Exception as exc:
+                if type(exc).__name__ == "JobTimeoutException":
+                    raise  # the job in hand ran out of time: stop here
+                log.exception("parked op %s failed; its error result is stored", rid)
 
     def sweep(self, shard: int) -> None:
         """Answer parked ops whose gap did not fill in time, and let their models move on."""
