@@ -40,8 +40,9 @@ from tinkerq.redis_server import EmbeddedRedis, free_port  # noqa: E402
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 
 
-def start(args: list[str], env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tinkerq.cli", *args], cwd=ROOT,
+def start(args: list[str], env: dict[str, str], cpus: str | None = None) -> subprocess.Popen:
+    pin = ["taskset", "-c", cpus] if cpus else []
+    return subprocess.Popen([*pin, sys.executable, "-m", "tinkerq.cli", *args], cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT), **env},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -84,16 +85,23 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--split-cores", action="store_true",
+                        help="worker on the last core, API and clients on the others (as on separate hosts)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "out" / "api_overhead.json"))
     args = parser.parse_args()
+    cores = sorted(os.sched_getaffinity(0))
+    worker_cpus = client_cpus = None
+    if args.split_cores:
+        worker_cpus, client_cpus = str(cores[-1]), ",".join(map(str, cores[:-1]))
+        os.sched_setaffinity(0, set(cores[:-1]))
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"tinkerq-api-bench-{os.getpid()}"
     with ExitStack() as stack:
         url = os.environ.get("REDIS_URL") or stack.enter_context(EmbeddedRedis()).url
         Redis.from_url(url).flushdb()
         env = {"TINKERQ_NUM_SHARDS": "1", "TINKERQ_CHECKPOINT_ROOT": str(tmp)}
         port = free_port()
-        procs = [start(["worker", "--redis-url", url, "--runtime", "torch", "--log-level", "WARNING"], env),
-                 start(["api", "--redis-url", url, "--port", str(port), "--log-level", "warning"], env)]
+        procs = [start(["worker", "--redis-url", url, "--runtime", "torch", "--log-level", "WARNING"], env, worker_cpus),
+                 start(["api", "--redis-url", url, "--port", str(port), "--log-level", "warning"], env, client_cpus)]
         stack.callback(lambda: [p.terminate() for p in procs])
         base_url = f"http://127.0.0.1:{port}"
         wait_http(f"{base_url}/api/v1/healthz")
