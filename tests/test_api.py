@@ -6,6 +6,8 @@ import threading
 import numpy as np
 import pytest
 import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from fastapi.testclient import TestClient
 from tinker.proto import tinker_public_pb2 as pb
 
@@ -250,3 +252,47 @@ def _many_pollers(api, drain, r):
     assert [a.get("metrics", {}).get("step:max") for a in answers] == [1.0] * 16
     gets = int(r.info("commandstats")["cmdstat_get"]["calls"]) - gets_before
     assert gets < 16 * 3, f"{gets} GETs for 16 pollers"
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False)
+                    | st.text(max_size=20),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner,
+                                                                                max_size=4), max_leaves=12)
+ENDPOINTS = ["session_heartbeat", "create_model", "get_info", "optim_step", "save_weights_for_sampler",
+             "save_weights", "load_weights", "create_sampling_session", "asample", "retrieve_future"]
+
+
+def test_fuzzed_json_bodies_never_make_a_5xx(api, r):
+    sid = session(api)
+    keys_of = {"session_id": st.just(sid) | st.text(max_size=8), "model_id": st.just(f"{sid}:train:0"),
+               "seq_id": st.integers(-3, 3), "sampling_session_id": st.text(max_size=8)}
+    body = st.fixed_dictionaries({}, optional={**keys_of, "path": JSON, "prompt": JSON, "sampling_params": JSON,
+                                               "lora_config": JSON, "adam_params": JSON, "base_model": JSON,
+                                               "num_samples": JSON, "request_id": st.text(max_size=10)})
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(path=st.sampled_from(ENDPOINTS), payload=body | JSON)
+    def check(path, payload):
+        response = post(api, path, payload)
+        assert response.status_code < 500, (path, payload, response.text)
+        assert response.content
+
+    check()
+    for raw in (b"", b"\x00\xff", b"[" * 5000, b'{"session_id": "' + b"a" * 70000 + b'"}'):
+        response = api.post("/api/v1/asample", content=raw, headers={**KEY, "Content-Type": "application/json"})
+        assert 400 <= response.status_code < 500 and response.content
+
+
+def test_fuzzed_protobuf_bodies_never_make_a_5xx(api, drain):
+    model_id = model(api, drain)
+    valid = fwdbwd(model_id, 1)
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(data=st.binary(max_size=300) | st.builds(lambda cut, junk: valid[:cut] + junk,
+                                                      st.integers(0, len(valid)), st.binary(max_size=20)))
+    def check(data):
+        response = api.post("/api/v1/forward_backward", content=data, headers={**KEY, **PROTO})
+        assert response.status_code < 500, (data, response.text)
+        assert response.content
+
+    check()
