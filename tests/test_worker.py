@@ -289,3 +289,11 @@ def test_results_expire_and_rq_keeps_only_a_summary(r, producer, config, tmp_pat
     job = Job.fetch(ticket.request_id, connection=r, serializer="json")
     assert job.return_value() == {"request_id": ticket.request_id, "type": "sample", "batch": 1}
     assert len(json.dumps(job.return_value())) < 200
+
+
+def test_running_a_worker_in_process_leaves_the_signal_handlers_as_they_were(r, config, tmp_path):
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    drain(r, config, tmp_path)
+    assert signal.getsignal(signal.SIGTERM) is before

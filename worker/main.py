@@ -3,6 +3,7 @@
 import logging
 import os
 import secrets
+import signal
 import socket
 import threading
 import time
@@ -61,6 +62,16 @@ class WorkerProcess:
         return taken
 
     def run(self, burst: bool = False, logging_level: str = "INFO") -> None:
+        # RQ installs SIGINT/SIGTERM handlers and never removes them; an embedding process (or a
+        # child it forks later) must get its own back, or SIGTERM stops being able to end it.
+        saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self._run(burst, logging_level)
+        finally:
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
+
+    def _run(self, burst: bool, logging_level: str) -> None:
         self._stopping.clear()
         keeper = threading.Thread(target=self._keep_leases, name="tinkerq-lease-keeper", daemon=True)
         keeper.start()
