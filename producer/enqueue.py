@@ -124,7 +124,7 @@ class Producer:
                    (keys.request_key(rid), self._claim_key(request, rid), keys.model_key(request.model_id, "wver"))}
         pipe.watch(*watched)
         tickets: list[Ticket] = []
-        fresh: list[tuple[Request, str, int, str]] = []
+        fresh: list[tuple[Request, Ticket, str]] = []
         in_batch: dict[str, tuple[Ticket, str]] = {}
         latest: dict[str, int] = {}
         added: dict[int, int] = {}
@@ -160,23 +160,23 @@ class Producer:
             added[shard] = added.get(shard, 0) + 1
             ticket = Ticket(rid, shard, version)
             in_batch[claim] = in_batch[keys.request_key(rid)] = (ticket, body_digest)
-            fresh.append((request, rid, shard, body_digest))
+            fresh.append((request, ticket, body_digest))
             tickets.append(ticket)
         if not fresh:
             pipe.unwatch()
             return tickets
         pipe.multi()
-        for request, rid, shard, body_digest in fresh:
-            self._enqueue(pipe, request, rid, shard, body_digest)
+        for request, ticket, body_digest in fresh:
+            self._enqueue(pipe, request, ticket, body_digest)
         pipe.execute()
         return tickets
 
-    def _enqueue(self, pipe, request: Request, rid: str, shard: int, body_digest: str) -> None:
-        self._record(pipe, request, rid, shard, body_digest, getattr(request, "seq_id", None))
-        self._queues[shard].enqueue_call(
+    def _enqueue(self, pipe, request: Request, ticket: Ticket, body_digest: str) -> None:
+        self._record(pipe, request, ticket, body_digest)
+        self._queues[ticket.shard].enqueue_call(
             JOB_FUNCTIONS[request.kind],
             args=(request.model_dump(mode="json"),),
-            job_id=rid,
+            job_id=ticket.request_id,
             pipeline=pipe,
             timeout=self.config.job_timeout_s,
             result_ttl=self.config.rq_result_ttl_s,
@@ -207,20 +207,21 @@ class Producer:
             return request, request.weights_version
         return request, None
 
-    def _record(self, pipe, request: Request, rid: str, shard: int, body_digest: str, seq_id: int | None) -> None:
+    def _record(self, pipe, request: Request, ticket: Ticket, body_digest: str) -> None:
+        rid = ticket.request_id
         record = {
             "kind": request.kind,
             "model": request.model_id,
-            "shard": shard,
+            "shard": ticket.shard,
             "digest": body_digest,
             "status": "queued",
             "created": time.time(),
         }
-        version = request.version if isinstance(request, WeightSyncRequest) else getattr(request, "weights_version", None)
-        if version is not None:
-            record["version"] = version
+        if ticket.version is not None:
+            record["version"] = ticket.version
         if isinstance(request, WeightSyncRequest):
-            pipe.set(keys.model_key(request.model_id, "wver"), request.version)
+            pipe.set(keys.model_key(request.model_id, "wver"), ticket.version)
+        seq_id = getattr(request, "seq_id", None)
         if seq_id is not None:
             pipe.set(keys.seq_key(request.model_id, seq_id), rid, ex=self.config.request_ttl_s)
         pipe.hset(keys.request_key(rid), mapping=record)
