@@ -104,7 +104,7 @@ class Sampler:
             mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long, device=self.device)], dim=1)
             last_pos = last_pos + 1
             out = self.model(input_ids=next_ids[:, None], attention_mask=mask,
-                             position_ids=last_pos[:, None], cache=cache, adapter_names=adapters,
+                             position_ids=last_pos[:, None], past_key_values=cache, adapter_names=adapters,
                              use_cache=True)
             cache, logits = out.past_key_values, out.logits[:, -1].float()
         return scores
