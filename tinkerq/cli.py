@@ -26,6 +26,7 @@ def worker(
     redis_url: RedisUrl = "redis://127.0.0.1:6379/0",
     shards: Annotated[Optional[str], typer.Option(help="comma-separated shard ids; default: every shard")] = None,
     runtime: Annotated[Optional[str], typer.Option(help="reference | torch | module:factory")] = None,
+    engine: Annotated[Optional[str], typer.Option(help="torch runtime's engine: auto | vllm | torch")] = None,
     burst: Annotated[bool, typer.Option(help="exit once the queues are empty")] = False,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING")] = "INFO",
 ) -> None:
@@ -39,6 +40,8 @@ def worker(
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if runtime:
         os.environ["TINKERQ_RUNTIME"] = runtime
+    if engine:
+        os.environ["TINKERQ_ENGINE"] = engine
     process = WorkerProcess(Redis.from_url(redis_url), build_runtime(RuntimeConfig()), shards=_shards(shards))
     process.run(burst=burst, logging_level=log_level)
 

@@ -34,5 +34,16 @@ class RuntimeConfig(BaseSettings):
     max_snapshots: int = Field(4, ge=1)
     device: str = Field("auto", description="torch runtime: auto | cpu | cuda | cuda:N")
     dtype: str = Field("float32", description="torch runtime: float32 | bfloat16 | float16")
+    # The sampling engine beside the torch trainer. auto: vLLM where it imports, else PyTorch.
+    engine: str = Field("auto", pattern="^(auto|vllm|torch)$", description="the torch runtime's sampling engine")
+    # vLLM: LoRA snapshots as adapters (many models and versions per base), or full weights merged and
+    # reloaded in place (one model per base, only its latest version servable, no LoRA cost per token).
+    vllm_sync: str = Field("lora", pattern="^(lora|merged)$")
+    vllm_max_loras: int = Field(8, ge=1, description="adapters one engine step may mix")
+    vllm_max_lora_rank: int = Field(64, ge=1)
+    vllm_gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
+    vllm_cpu_kv_cache_gib: float = Field(1.0, gt=0.0)
+    # Eager starts in seconds; CUDA graphs (False) are faster per token on a GPU once warm.
+    vllm_enforce_eager: bool = True
     # Test aid for the reference engine: simulated generation time per token.
     reference_delay_per_token_s: float = Field(0.0, ge=0.0)

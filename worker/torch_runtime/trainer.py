@@ -159,14 +159,14 @@ class TorchTrainer(Trainer):
             # transformers would otherwise apply an adapter found beside merged weights a second time.
             save_merged(trained.base, trained.adapter, Path(tmp))
             (Path(tmp) / "adapter").mkdir()
-            save_adapter(self.export_weights(model_id), Path(tmp) / "adapter", trained.base)
+            save_adapter(self.export_weights(model_id), Path(tmp) / "adapter", trained.base.path)
             target = paths.checkpoint_file(self.root, model_id, "sampler_weights", name, ".tar.gz")
             return str(write_archive(Path(tmp), target))
 
     def save_state(self, model_id: str, name: str, include_optimizer: bool) -> str:
         trained = self.models[model_id]
         with tempfile.TemporaryDirectory() as tmp:
-            save_adapter(self.export_weights(model_id), Path(tmp), trained.base)
+            save_adapter(self.export_weights(model_id), Path(tmp), trained.base.path)
             state = {"model_id": model_id, "base_model": trained.base.name, "lora": trained.spec.model_dump()}
             (Path(tmp) / STATE_FILE).write_text(json.dumps(state))
             if include_optimizer:

@@ -1,0 +1,1 @@
+"""The vLLM sampling engine: the production engine beside the torch trainer."""

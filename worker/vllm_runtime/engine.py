@@ -1,0 +1,264 @@
+"""The vLLM sampling engine: one in-process `vllm.LLM` per base model, weight snapshots by version.
+
+Two ways to make a sync servable (`RuntimeConfig.vllm_sync`):
+
+* lora (default): each synced version is a LoRA adapter of its own (a fresh adapter id), so samples of
+  many models and of older snapshots share one engine and even one batch. At most `max_snapshots` per
+  model stay live; an older one is removed from vLLM and answers `snapshot_evicted`.
+* merged: the adapter is merged into the base weights, which are reloaded in place (`reload_weights`)
+  and the prefix cache is reset, so no cached KV of the old weights survives. The engine then serves
+  one model per base and only its latest version.
+
+Drain, then apply: `generate` runs a batch to completion before it returns, and the worker applies a
+sync only between batches, so no sample is ever in flight while weights change.
+"""
+
+import importlib.util
+import itertools
+import os
+import shutil
+import tempfile
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from schemas import CreateModelRequest, ErrorResponse, SampleOutput, SampleRequest
+from tinkerq import local_models
+from tinkerq.config import RuntimeConfig
+from worker.runtime.base import DomainError, Engine
+from worker.torch_runtime.lora_io import LoraWeights, save_adapter
+from worker.vllm_runtime import merge, requests as translate
+
+
+def configure_environment(config: RuntimeConfig) -> None:
+    """vLLM reads these when an engine is built; an operator's own settings win."""
+    # In-process engine: tensors pass straight into collective_rpc, and the worker supervises one process.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{config.vllm_cpu_kv_cache_gib:g}")
+    # On CPU vLLM would pin torch to one core and cut torch's threads, starving the trainer beside it.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    if importlib.util.find_spec("flashinfer") is None:
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+
+@dataclass
+class Snapshot:
+    version: int
+    lora: Any | None  # a vllm LoRARequest in lora mode; None when merged into the base
+
+
+class VllmEngine(Engine):
+    def __init__(self, config: RuntimeConfig) -> None:
+        configure_environment(config)
+        from worker.vllm_runtime import patches
+
+        patches.apply(on_cpu=_device(config).type == "cpu")
+        self.config = config
+        self.merged = config.vllm_sync == "merged"
+        self.llms: dict[str, Any] = {}
+        self.base_of: dict[str, str] = {}
+        self.snapshots: dict[str, OrderedDict[int, Snapshot]] = {}
+        self.owner: dict[str, str] = {}  # merged mode: base -> the one model it serves
+        self.base_weights: dict[str, dict[str, torch.Tensor]] = {}
+        self._lora_ids = itertools.count(1)  # never reused: vLLM caches adapters and prefixes by id
+        self._adapters = tempfile.TemporaryDirectory(prefix="tinkerq-vllm-", dir=_fast_tmp())
+
+    # -- models and snapshots -------------------------------------------------------------------
+
+    def check_create(self, request: CreateModelRequest) -> None:
+        lora = request.lora
+        if lora is None:
+            return
+        if not self.merged and lora.rank > self.config.vllm_max_lora_rank:
+            raise DomainError(400, "lora_rank_too_large", f"LoRA rank {lora.rank} exceeds the vLLM engine's "
+                              f"max_lora_rank {self.config.vllm_max_lora_rank} (TINKERQ_VLLM_MAX_LORA_RANK)")
+        if self.merged and request.base_model in self.owner:
+            raise DomainError(409, "base_in_use", f"the vLLM engine merges weights into {request.base_model!r}, "
+                              f"which already serves {self.owner[request.base_model]!r}; use vllm_sync=lora "
+                              "to serve several models on one base")
+        if self.merged and lora.train_unembed and merge.ties_embeddings(local_models.resolve(request.base_model)):
+            raise DomainError(400, "unsupported", f"{request.base_model!r} ties its embeddings, so a merged "
+                              "lm_head adapter cannot be served; use train_unembed=false or vllm_sync=lora")
+
+    def add_model(self, model_id: str, base_model: str, weights: LoraWeights) -> None:
+        self.remove_model(model_id)
+        self._llm(base_model)
+        self.base_of[model_id] = base_model
+        self.snapshots[model_id] = OrderedDict()
+        if self.merged:
+            self.owner[base_model] = model_id
+        self.apply_weights(model_id, 0, weights)
+
+    def apply_weights(self, model_id: str, version: int, weights: LoraWeights) -> None:
+        held = self.snapshots[model_id]
+        if self.merged:
+            self._reload(self.base_of[model_id], weights)
+            held.clear()  # the old weights are gone from the engine: older versions answer snapshot_evicted
+            held[version] = Snapshot(version, None)
+            return
+        lora = None if _is_identity(weights) else self._add_adapter(model_id, version, weights)
+        held[version] = Snapshot(version, lora)  # an untrained adapter is served as the base model itself
+        while len(held) > self.config.max_snapshots:
+            self._drop(model_id, held.popitem(last=False)[1])
+
+    def live_versions(self, model_id: str) -> list[int]:
+        return list(self.snapshots.get(model_id, ()))
+
+    def remove_model(self, model_id: str) -> None:
+        base = self.base_of.pop(model_id, None)
+        for snapshot in self.snapshots.pop(model_id, {}).values():
+            self._drop(model_id, snapshot)
+        if base is not None and self.owner.get(base) == model_id:
+            del self.owner[base]
+
+    def close(self) -> None:
+        for llm in self.llms.values():
+            # LLM.shutdown exists in some releases only; the engine core's is in all of them.
+            (getattr(llm, "shutdown", None) or llm.llm_engine.engine_core.shutdown)()
+        self.llms.clear()
+        self._adapters.cleanup()
+
+    def _add_adapter(self, model_id: str, version: int, weights: LoraWeights) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        base = self.base_of[model_id]
+        directory = Path(self._adapters.name) / f"{next(self._lora_ids)}"
+        directory.mkdir()
+        save_adapter(weights, directory, local_models.resolve(base))
+        request = LoRARequest(f"{model_id}@{version}", int(directory.name), str(directory))
+        self.llms[base].llm_engine.add_lora(request)  # load now: a bad adapter fails the sync, not a sample
+        return request
+
+    def _drop(self, model_id: str, snapshot: Snapshot) -> None:
+        if snapshot.lora is not None:
+            llm = self.llms.get(self.base_of.get(model_id, ""))
+            if llm is not None:
+                llm.llm_engine.remove_lora(snapshot.lora.lora_int_id)
+            shutil.rmtree(snapshot.lora.lora_path, ignore_errors=True)
+
+    def _reload(self, base_model: str, weights: LoraWeights) -> None:
+        llm = self.llms[base_model]
+        full = merge.merged(self._base_weights(base_model), weights)
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(full.items())})
+        llm.reset_prefix_cache()  # cached prefixes hold KV computed with the old weights
+
+    def _base_weights(self, base_model: str) -> dict[str, torch.Tensor]:
+        if base_model not in self.base_weights:
+            weights = merge.load_base(local_models.resolve(base_model))
+            self.base_weights[base_model] = {k: v.to(_device(self.config)) for k, v in weights.items()}
+        return self.base_weights[base_model]
+
+    def _llm(self, base_model: str) -> Any:
+        if base_model not in self.llms:
+            self.llms[base_model] = self._build(base_model)
+        return self.llms[base_model]
+
+    def _build(self, base_model: str) -> Any:
+        from vllm import LLM
+
+        try:
+            path = local_models.resolve(base_model)
+        except ValueError as exc:
+            raise DomainError(404, "unknown_base_model", str(exc)) from exc
+        kwargs: dict[str, Any] = dict(model=str(path), dtype=self.config.dtype, seed=0,
+                                      enforce_eager=self.config.vllm_enforce_eager, enable_prefix_caching=True)
+        if _device(self.config).type == "cuda":
+            kwargs["gpu_memory_utilization"] = self.config.vllm_gpu_memory_utilization
+        if not self.merged:
+            kwargs.update(enable_lora=True, max_loras=self.config.vllm_max_loras,
+                          max_lora_rank=self.config.vllm_max_lora_rank)
+        return LLM(**kwargs)
+
+    # -- sampling -------------------------------------------------------------------------------
+
+    def generate(self, requests: list[SampleRequest]) -> list[SampleOutput | ErrorResponse]:
+        results: list[SampleOutput | ErrorResponse | None] = [None] * len(requests)
+        calls: dict[tuple, list[int]] = defaultdict(list)
+        params: dict[int, list[Any]] = {}
+        for i, request in enumerate(requests):
+            try:
+                self._check(request)
+                params[i] = self._params(request)
+            except DomainError as exc:
+                results[i] = exc.response()
+                continue
+            calls[self._call_key(request)].append(i)
+        for (base, *_), indices in calls.items():
+            outputs = self._run(base, [requests[i] for i in indices], [params[i] for i in indices])
+            for i, output in zip(indices, outputs):
+                results[i] = output
+        return results
+
+    @staticmethod
+    def _params(request: SampleRequest) -> list[Any]:
+        """vLLM's SamplingParams, one per sample; what vLLM refuses (temperature > 2, ...) is a 400."""
+        from vllm import SamplingParams
+
+        try:
+            return [SamplingParams(**translate.sampling_params(request, k)) for k in range(request.num_samples)]
+        except (ValueError, _client_error()) as exc:
+            raise DomainError(400, "unsupported_sampling_params", f"the vLLM engine refuses this request: {exc}") \
+                from exc
+
+    def _call_key(self, request: SampleRequest) -> tuple:
+        """One engine call per base; prompt-logprob requests of an adapter get a call of their own, since
+        vLLM maps an lm_head adapter per request, not per prompt row (see patches._prompt_logits_lora)."""
+        base = self.base_of[request.model_id]
+        if translate.wants_prompt_scores(request) and not self.merged:
+            return base, request.model_id, request.weights_version
+        return (base,)
+
+    def _check(self, request: SampleRequest) -> None:
+        model_config = self.llms[self.base_of[request.model_id]].llm_engine.model_config
+        context, vocab = model_config.max_model_len, model_config.get_vocab_size()
+        total = len(request.prompt_tokens) + request.sampling_params.max_tokens
+        if total > context:
+            raise DomainError(400, "context_exceeded",
+                              f"prompt ({len(request.prompt_tokens)}) + max_tokens exceeds the context of {context}")
+        bad = [t for t in request.prompt_tokens if t >= vocab]
+        if bad:
+            raise DomainError(400, "invalid_token", f"prompt token {bad[0]} is outside the vocabulary ({vocab})")
+
+    def _run(self, base: str, requests: list[SampleRequest], params: list[list[Any]]) -> list[SampleOutput]:
+        prompts, flat, loras, owners = [], [], [], []
+        for j, (request, samples) in enumerate(zip(requests, params)):
+            lora = self.snapshots[request.model_id][request.weights_version].lora
+            for sample in samples:
+                prompts.append({"prompt_token_ids": request.prompt_tokens})
+                flat.append(sample)
+                loras.append(lora)
+                owners.append(j)
+        outputs = self.llms[base].generate(prompts, flat, lora_request=loras, use_tqdm=False)
+        mine: list[list[Any]] = [[] for _ in requests]
+        for owner, output in zip(owners, outputs):
+            mine[owner].append(output)
+        return [translate.output(request, results) for request, results in zip(requests, mine)]
+
+
+def _client_error() -> type[Exception]:
+    """vLLM's class for "the request is wrong" (newer releases; older ones raise ValueError)."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return ValueError
+    return VLLMClientError
+
+
+def _is_identity(weights: LoraWeights) -> bool:
+    """A fresh adapter (every B zero) changes nothing; serving the base skips the LoRA cost per token."""
+    return all(not bool(t.any()) for key, t in weights.tensors.items() if ".lora_B." in key)
+
+
+def _device(config: RuntimeConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)
+
+
+def _fast_tmp() -> str | None:
+    """Adapters go through files (vLLM loads LoRA from a path): keep them in memory where possible."""
+    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
