@@ -77,8 +77,10 @@ def setup_ops(args) -> list:
 
 
 def runtime_settings(args, engine: str) -> dict[str, str]:
+    # vLLM pads every adapter to max_lora_rank: keep it at the rank in use
     return {"runtime": "torch", "engine": engine, "vllm_sync": args.vllm_sync, "device": args.device,
-            "dtype": args.dtype, "vllm_gpu_memory_utilization": str(args.gpu_memory_utilization)}
+            "dtype": args.dtype, "vllm_gpu_memory_utilization": str(args.gpu_memory_utilization),
+            "vllm_max_lora_rank": str(args.lora_rank)}
 
 
 class Direct:
@@ -185,8 +187,9 @@ def measure(args, requests, url: str, tmp: Path) -> dict:
         for _ in tqdm(range(args.repeats), desc="rounds"):
             for name, sample in paths.items():
                 rows[name].append(sample(requests))
+        kinds = (("transient", None),) + ((("named", "snap"),) if args.named_syncs else ())
         syncs = {where: {kind: statistics.median(path.sync_ms(name) for _ in range(args.repeats))
-                         for kind, name in (("transient", None), ("named", "snap"))}
+                         for kind, name in kinds}
                  for where, path in (("direct", direct), ("queue", queued))}
     finally:
         queued.close()
@@ -233,6 +236,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--no-named-syncs", dest="named_syncs", action="store_false",
+                        help="skip persisted syncs (they write a merged checkpoint: minutes for a 0.5B+ model)")
     parser.add_argument("--model", default="tinyq-micro")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--num-samples", type=int, default=4)
@@ -263,8 +268,8 @@ def main() -> None:
         print(f"{labels[name]:<36}{rate:>10.0f}{ratios[name]:>8.2f}")
     sync = result["sync_ms"]
     print(f"\n{'weight sync (median ms)':<36}{'transient':>10}{'named':>8}")
-    print(f"{'engine-side, in process':<36}{sync['direct']['transient']:>10.1f}{sync['direct']['named']:>8.1f}")
-    print(f"{'through the queue':<36}{sync['queue']['transient']:>10.1f}{sync['queue']['named']:>8.1f}")
+    for where, label in (("direct", "engine-side, in process"), ("queue", "through the queue")):
+        print(f"{label:<36}{sync[where]['transient']:>10.1f}{sync[where].get('named', float('nan')):>8.1f}")
     if "floor_ms" in result:
         print(f"floor (bytes / HBM {result['hbm_bytes_per_s'] / 1e12:.2f} TB/s): "
               + ", ".join(f"{k} {v:.3f} ms" for k, v in result["floor_ms"].items()))

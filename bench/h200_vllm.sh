@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# vLLM benchmarks on the H200 test machine, which has torch 2.11 but no vLLM, no Redis and no network.
+# vllm 0.26.0 (the release pinned to that torch), its missing dependencies, our own (rq, redis-py,
+# pydantic-settings) and Debian's redis-server with its two uncommon libraries travel as one tar split
+# into 60 MiB chunks, one per command, into /tmp/vparts (../shared/reference/vllm-on-h200.md). Then:
+#   bash bench/h200_vllm.sh install                      # verify, unpack, pip install into /tmp/site
+#   TAG=name bash bench/h200_vllm.sh run MODEL [bench args...]   # bench/sampling_throughput.py on the GPU
+set -euo pipefail
+export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+export VLLM_USE_FLASHINFER_SAMPLER=0 TVM_FFI_DISABLE_TORCH_C_DLPACK=1  # no flashinfer; no JIT build at import
+export PATH=/tmp/vw/redis:$PATH LD_LIBRARY_PATH=/tmp/vw/redis:${LD_LIBRARY_PATH:-}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+
+case "$1" in
+install)
+  (cd /tmp/vparts && sha256sum -c --quiet vllm.sha256)
+  mkdir -p /tmp/vw && cat /tmp/vparts/vllm.tar.* | tar x -C /tmp/vw
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/vw/whl/*.whl
+  rm -rf /tmp/vw/whl /tmp/vparts
+  python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+  redis-server --version
+  ;;
+run)
+  shift
+  model=$1
+  shift
+  # a daemon outlives the command (the machine keeps it while warm); a second start just fails to bind
+  redis-server --port 6390 --bind 127.0.0.1 --save '' --appendonly no --daemonize yes \
+    --logfile /tmp/redis.log >/dev/null || true
+  tag=${TAG:-$model}
+  REDIS_URL=redis://127.0.0.1:6390/0 python3 bench/sampling_throughput.py --model "$model" --device cuda \
+    --dtype bfloat16 --out "$OUT/$tag.json" "$@" >"$OUT/$tag.log" 2>&1 || { tail -40 "$OUT/$tag.log"; exit 1; }
+  sed -n '/^path /,$p' "$OUT/$tag.log"
+  ;;
+esac
