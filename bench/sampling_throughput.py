@@ -112,16 +112,32 @@ class Queued:
 
     def __init__(self, args, url: str, tmp: Path) -> None:
         settings = {f"TINKERQ_{k.upper()}": v for k, v in runtime_settings(args, args.engine).items()}
-        env = {**os.environ, **settings, "PYTHONPATH": str(ROOT), "TINKERQ_NUM_SHARDS": "1",
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, **settings, "PYTHONPATH": path, "TINKERQ_NUM_SHARDS": "1",
                "TINKERQ_CHECKPOINT_ROOT": str(tmp / "queue")}
         self.worker = subprocess.Popen([sys.executable, "-m", "tinkerq.cli", "worker", "--redis-url", url,
                                         "--log-level", "WARNING"], env=env, cwd=ROOT,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                       stdout=subprocess.DEVNULL, stderr=self._log_file(tmp))
         self.producer = Producer(Redis.from_url(url), QueueConfig(num_shards=1))
         for op in setup_ops(args):
-            result = self.producer.wait(self.producer.submit(op).request_id, 900)
+            result = self._wait(self.producer.submit(op).request_id)
             assert result is not None and result.type != "error", result
         self.sync_ms(None)
+
+    def _log_file(self, tmp: Path):
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.log = tmp / "worker.log"
+        return open(self.log, "w")
+
+    def _wait(self, request_id: str):
+        """A result, or the worker's own error output if it died first."""
+        for _ in range(900):
+            result = self.producer.wait(request_id, 1)
+            if result is not None:
+                return result
+            if self.worker.poll() is not None:
+                raise RuntimeError(f"the worker exited ({self.worker.returncode}): {self.log.read_text()[-3000:]}")
+        raise TimeoutError(request_id)
 
     def _wait_all(self, tickets) -> list:
         outputs = [self.producer.wait(t.request_id, 600) for t in tickets]
