@@ -8,6 +8,7 @@ VLLM_EXTRA ?= $(shell scripts/vllm-extra.sh $(PYTHON))
 EXTRAS  ?= test,dashboard,torch,api$(if $(VLLM_EXTRA),$(comma)$(VLLM_EXTRA))
 STAMP   := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 PYTEST_ARGS ?=
+MODEL   ?= tinyq-micro
 
 .PHONY: install test demo bench dashboard clean
 
@@ -29,7 +30,7 @@ test: install
 	TINKERQ_REQUIRE_VLLM=$(if $(VLLM_EXTRA),1,0) scripts/with-redis.sh $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 demo: install
-	scripts/with-redis.sh $(VENV)/bin/tinkerq demo $(DEMO_ARGS)
+	scripts/with-redis.sh $(VENV)/bin/tinkerq demo --model $(MODEL) $(DEMO_ARGS)
 
 bench: install
 	scripts/with-redis.sh $(VENV)/bin/python bench/queue_overhead.py
