@@ -176,7 +176,7 @@ class RawVllm:
 
         engine = self.direct.rt.engine
         llm = engine.llms[engine.base_of[MODEL]]
-        lora = engine.snapshots[MODEL][self.direct.version].lora
+        lora = engine.snapshots[MODEL][self.direct.version]
         prompts, params = [], []
         for r in requests:
             for k in range(r.num_samples):

@@ -33,6 +33,16 @@ def unknown_model(model_id: str) -> DomainError:
     return DomainError(404, "unknown_model", f"model {model_id!r} does not exist on this worker (create it first)")
 
 
+def check_fits(request: SampleRequest, context: int, vocab: int) -> None:
+    """DomainError unless the request's prompt and completion fit the model's context and vocabulary."""
+    if len(request.prompt_tokens) + request.sampling_params.max_tokens > context:
+        raise DomainError(400, "context_exceeded",
+                          f"prompt ({len(request.prompt_tokens)}) + max_tokens exceeds the context of {context}")
+    bad = [t for t in request.prompt_tokens if t >= vocab]
+    if bad:
+        raise DomainError(400, "invalid_token", f"prompt token {bad[0]} is outside the vocabulary ({vocab})")
+
+
 class Engine(ABC):
     """Batched generation over weight snapshots addressed by (model id, version)."""
 

@@ -54,11 +54,16 @@ class LoadedBase:
             self.adapters.discard(name)
 
 
+def resolve_device(name: str) -> torch.device:
+    """`auto` is the GPU where there is one; any other name is torch's."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 class BaseModels:
     def __init__(self, device: str = "auto", dtype: str = "float32") -> None:
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.dtype = getattr(torch, dtype)
         self._loaded: dict[str, LoadedBase] = {}
 

@@ -4,7 +4,7 @@ import secrets
 from collections import OrderedDict, defaultdict
 
 from schemas import ErrorResponse, GeneratedSequence, SampleOutput, SampleRequest, TopkLogprobs
-from worker.runtime.base import DomainError, Engine
+from worker.runtime.base import DomainError, Engine, check_fits
 from worker.torch_runtime.bases import BaseModels, LoadedBase, adapter_name
 from worker.torch_runtime.lora_io import LoraWeights, import_adapter
 from worker.torch_runtime.sampler import PromptScores, Row, Sampler
@@ -56,14 +56,7 @@ class TorchEngine(Engine):
 
     def _check(self, request: SampleRequest) -> None:
         base = self.base_of[request.model_id]
-        context = base.model.config.max_position_embeddings
-        total = len(request.prompt_tokens) + request.sampling_params.max_tokens
-        if total > context:
-            raise DomainError(400, "context_exceeded",
-                              f"prompt ({len(request.prompt_tokens)}) + max_tokens exceeds the context of {context}")
-        bad = [t for t in request.prompt_tokens if t >= base.vocab_size]
-        if bad:
-            raise DomainError(400, "invalid_token", f"prompt token {bad[0]} is outside the vocabulary ({base.vocab_size})")
+        check_fits(request, base.model.config.max_position_embeddings, base.vocab_size)
 
     def _generate_group(self, requests: list[SampleRequest]) -> list[SampleOutput]:
         base = self.base_of[requests[0].model_id]

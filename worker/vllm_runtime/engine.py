@@ -19,7 +19,6 @@ import os
 import shutil
 import tempfile
 from collections import OrderedDict, defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,8 @@ import torch
 from schemas import CreateModelRequest, ErrorResponse, SampleOutput, SampleRequest
 from tinkerq import local_models
 from tinkerq.config import RuntimeConfig
-from worker.runtime.base import DomainError, Engine
+from worker.runtime.base import DomainError, Engine, check_fits
+from worker.torch_runtime.bases import resolve_device
 from worker.torch_runtime.lora_io import LoraWeights, save_adapter
 from worker.vllm_runtime import merge, requests as translate
 
@@ -45,23 +45,19 @@ def configure_environment(config: RuntimeConfig) -> None:
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 
-@dataclass
-class Snapshot:
-    version: int
-    lora: Any | None  # a vllm LoRARequest in lora mode; None when merged into the base
-
-
 class VllmEngine(Engine):
     def __init__(self, config: RuntimeConfig) -> None:
         configure_environment(config)
         from worker.vllm_runtime import patches
 
-        patches.apply(on_cpu=_device(config).type == "cpu")
+        self.device = resolve_device(config.device)
+        patches.apply(on_cpu=self.device.type == "cpu")
         self.config = config
         self.merged = config.vllm_sync == "merged"
         self.llms: dict[str, Any] = {}
         self.base_of: dict[str, str] = {}
-        self.snapshots: dict[str, OrderedDict[int, Snapshot]] = {}
+        # model -> version -> its vllm LoRARequest, or None where the base weights serve it (merged, untrained)
+        self.snapshots: dict[str, OrderedDict[int, Any | None]] = {}
         self.owner: dict[str, str] = {}  # merged mode: base -> the one model it serves
         self.base_weights: dict[str, dict[str, torch.Tensor]] = {}
         self._lora_ids = itertools.count(1)  # never reused: vLLM caches adapters and prefixes by id
@@ -98,10 +94,10 @@ class VllmEngine(Engine):
         if self.merged:
             self._reload(self.base_of[model_id], weights)
             held.clear()  # the old weights are gone from the engine: older versions answer snapshot_evicted
-            held[version] = Snapshot(version, None)
+            held[version] = None
             return
         lora = None if _is_identity(weights) else self._add_adapter(model_id, version, weights)
-        held[version] = Snapshot(version, lora)  # an untrained adapter is served as the base model itself
+        held[version] = lora  # an untrained adapter is served as the base model itself
         while len(held) > self.config.max_snapshots:
             self._drop(model_id, held.popitem(last=False)[1])
 
@@ -110,8 +106,8 @@ class VllmEngine(Engine):
 
     def remove_model(self, model_id: str) -> None:
         base = self.base_of.pop(model_id, None)
-        for snapshot in self.snapshots.pop(model_id, {}).values():
-            self._drop(model_id, snapshot)
+        for lora in self.snapshots.pop(model_id, {}).values():
+            self._drop(model_id, lora)
         if base is not None and self.owner.get(base) == model_id:
             del self.owner[base]
 
@@ -133,12 +129,12 @@ class VllmEngine(Engine):
         self.llms[base].llm_engine.add_lora(request)  # load now: a bad adapter fails the sync, not a sample
         return request
 
-    def _drop(self, model_id: str, snapshot: Snapshot) -> None:
-        if snapshot.lora is not None:
+    def _drop(self, model_id: str, lora: Any | None) -> None:
+        if lora is not None:
             llm = self.llms.get(self.base_of.get(model_id, ""))
             if llm is not None:
-                llm.llm_engine.remove_lora(snapshot.lora.lora_int_id)
-            shutil.rmtree(snapshot.lora.lora_path, ignore_errors=True)
+                llm.llm_engine.remove_lora(lora.lora_int_id)
+            shutil.rmtree(lora.lora_path, ignore_errors=True)
 
     def _reload(self, base_model: str, weights: LoraWeights) -> None:
         llm = self.llms[base_model]
@@ -149,7 +145,7 @@ class VllmEngine(Engine):
     def _base_weights(self, base_model: str) -> dict[str, torch.Tensor]:
         if base_model not in self.base_weights:
             weights = merge.load_base(local_models.resolve(base_model))
-            self.base_weights[base_model] = {k: v.to(_device(self.config)) for k, v in weights.items()}
+            self.base_weights[base_model] = {k: v.to(self.device) for k, v in weights.items()}
         return self.base_weights[base_model]
 
     def _llm(self, base_model: str) -> Any:
@@ -166,7 +162,7 @@ class VllmEngine(Engine):
             raise DomainError(404, "unknown_base_model", str(exc)) from exc
         kwargs: dict[str, Any] = dict(model=str(path), dtype=self.config.dtype, seed=0,
                                       enforce_eager=self.config.vllm_enforce_eager, enable_prefix_caching=True)
-        if _device(self.config).type == "cuda":
+        if self.device.type == "cuda":
             kwargs["gpu_memory_utilization"] = self.config.vllm_gpu_memory_utilization
         if not self.merged:
             kwargs.update(enable_lora=True, max_loras=self.config.vllm_max_loras,
@@ -214,19 +210,12 @@ class VllmEngine(Engine):
 
     def _check(self, request: SampleRequest) -> None:
         model_config = self.llms[self.base_of[request.model_id]].llm_engine.model_config
-        context, vocab = model_config.max_model_len, model_config.get_vocab_size()
-        total = len(request.prompt_tokens) + request.sampling_params.max_tokens
-        if total > context:
-            raise DomainError(400, "context_exceeded",
-                              f"prompt ({len(request.prompt_tokens)}) + max_tokens exceeds the context of {context}")
-        bad = [t for t in request.prompt_tokens if t >= vocab]
-        if bad:
-            raise DomainError(400, "invalid_token", f"prompt token {bad[0]} is outside the vocabulary ({vocab})")
+        check_fits(request, model_config.max_model_len, model_config.get_vocab_size())
 
     def _run(self, base: str, requests: list[SampleRequest], params: list[list[Any]]) -> list[SampleOutput]:
         prompts, flat, loras, owners = [], [], [], []
         for j, (request, samples) in enumerate(zip(requests, params)):
-            lora = self.snapshots[request.model_id][request.weights_version].lora
+            lora = self.snapshots[request.model_id][request.weights_version]
             for sample in samples:
                 prompts.append({"prompt_token_ids": request.prompt_tokens})
                 flat.append(sample)
@@ -251,12 +240,6 @@ def _client_error() -> type[Exception]:
 def _is_identity(weights: LoraWeights) -> bool:
     """A fresh adapter (every B zero) changes nothing; serving the base skips the LoRA cost per token."""
     return all(not bool(t.any()) for key, t in weights.tensors.items() if ".lora_B." in key)
-
-
-def _device(config: RuntimeConfig) -> torch.device:
-    if config.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(config.device)
 
 
 def _fast_tmp() -> str | None:
