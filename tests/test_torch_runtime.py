@@ -1,5 +1,6 @@
 """The PyTorch runtime: what is sampled is what was trained, to 1e-4, through every feature."""
 
+import json
 import math
 
 import pytest
@@ -39,9 +40,10 @@ def rt(tmp_path_factory):
 _models = iter(range(10**6))
 
 
-def new_model(rt, rank=8, seed=0) -> str:
+def new_model(rt, rank=8, seed=0, base=BASE, train_unembed=True) -> str:
     model_id = f"t{next(_models)}:train:0"
-    rt.execute(CreateModelRequest(model_id=model_id, base_model=BASE, lora=LoraConfig(rank=rank, seed=seed)))
+    rt.execute(CreateModelRequest(model_id=model_id, base_model=base,
+                                  lora=LoraConfig(rank=rank, seed=seed, train_unembed=train_unembed)))
     return model_id
 
 
@@ -251,16 +253,22 @@ def test_save_and_load_round_trip_with_and_without_optimizer(rt):
     assert max_diff(logprobs_of(rt, without_opt), logprobs_of(rt, model)) > 1e-4  # fresh Adam differs
 
 
-def test_named_sync_writes_an_hf_snapshot_that_loads_as_the_served_weights(rt, tmp_path):
+# Tied embeddings: stored once when the unembedding is not trained, untied in the export when it is.
+@pytest.mark.parametrize("base, train_unembed", [(BASE, True), ("tinyq-tied", False), ("tinyq-tied", True)])
+def test_named_sync_writes_an_hf_snapshot_that_loads_as_the_served_weights(rt, tmp_path, base, train_unembed):
     from transformers import AutoModelForCausalLM
 
     from worker.torch_runtime.checkpoints import extract_archive
 
-    model = new_model(rt)
+    model = new_model(rt, base=base, train_unembed=train_unembed)
     version = rl_step(rt, model, 0, lr=0.2)
     out = rt.execute(WeightSyncRequest(model_id=model, version=version + 1, name="snap"))
     assert out.persisted and out.path.endswith("snap.tar.gz")
-    hf = AutoModelForCausalLM.from_pretrained(extract_archive(__import__("pathlib").Path(out.path), tmp_path / "x"))
+    export = extract_archive(__import__("pathlib").Path(out.path), tmp_path / "x")
+    # transformers loads an lm_head beside a tied config as is; other loaders (vLLM) re-tie it
+    tied = json.loads((export / "config.json").read_text()).get("tie_word_embeddings", False)
+    assert tied == (base == "tinyq-tied" and not train_unembed)
+    hf = AutoModelForCausalLM.from_pretrained(export)
     served = sample(rt, model, version + 1, temperature=0, max_tokens=5).sequences[0]
     logits = hf(input_ids=torch.tensor([PROMPT + served.tokens[:-1]])).logits[0].float()
     lps = torch.log_softmax(logits, -1)[len(PROMPT) - 1:].gather(-1, torch.tensor(served.tokens)[:, None])[:, 0]

@@ -41,6 +41,8 @@ class Shape:
 # hidden/heads >= 32: vLLM's CPU attention supports no smaller head size.
 LOCAL_MODELS: dict[str, Shape] = {
     "tinyq-micro": Shape(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, vocab=2048),
+    # Tied embeddings, as SmolLM2 and the small Qwen2.5 models have.
+    "tinyq-tied": Shape(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, vocab=2048, tie_embeddings=True),
     "tinyq-small": Shape(hidden=256, layers=4, heads=8, kv_heads=4, intermediate=768, vocab=4096),
     # Random weights in the shapes of Qwen2.5-0.5B and -1.5B: for GPU throughput and sync measurements.
     "randq-0.5b": Shape(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936,

@@ -59,13 +59,23 @@ def save_merged(base: LoadedBase, adapter: str, out: Path) -> None:
     for key, value in inner.state_dict().items():
         if "lora_" not in key:
             merged[key.replace(".base_layer", "")] = value
+    adapted: set[str] = set()
     with torch.no_grad():
         for name, module in inner.named_modules():
             if isinstance(module, LoraLayer) and adapter in module.lora_A:
                 merged[f"{name}.weight"] = module.base_layer.weight + module.get_delta_weight(adapter)
+                adapted.add(name)
+    config = json.loads((base.path / "config.json").read_text())
+    if config.get("tie_word_embeddings"):
+        # Tied and untouched: HF stores the embedding once. A trained unembedding is no longer the
+        # embedding, so the merged model unties (a tied config would load it as the embedding again).
+        if "lm_head" in adapted:
+            config["tie_word_embeddings"] = False
+        else:
+            merged.pop("lm_head.weight", None)
     save_file({k: v.detach().contiguous().cpu() for k, v in merged.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
-    shutil.copy(base.path / "config.json", out / "config.json")
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     for name in TOKENIZER_FILES:
         if (base.path / name).exists():
             shutil.copy(base.path / name, out / name)
