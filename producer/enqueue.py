@@ -4,7 +4,7 @@ import hashlib
 import json
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 from redis import Redis
@@ -64,6 +64,27 @@ class Ticket:
     duplicate: bool = False
 
 
+@dataclass(frozen=True)
+class _Item:
+    """A validated submission: its request id, body digest, shard and the key that makes it unique."""
+
+    request: Request
+    rid: str
+    digest: str
+    shard: int
+    claim: str
+
+
+@dataclass
+class _Batch:
+    """What one transaction has decided so far."""
+
+    placed: dict[str, tuple[Ticket, str]] = field(default_factory=dict)  # claim / request key -> first
+    latest: dict[str, int] = field(default_factory=dict)  # model -> weights version after this batch
+    added: dict[int, int] = field(default_factory=dict)  # shard -> jobs this batch adds
+    fresh: list[tuple[Request, Ticket, str]] = field(default_factory=list)
+
+
 def digest(request: BaseModel) -> str:
     canonical = json.dumps(request.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
@@ -94,16 +115,33 @@ class Producer:
 
         A worker sees them all at once, so the samples among them reach the engine as one batch.
         """
+        return self._submit(requests, request_ids, atomic=True)  # type: ignore[return-value]
+
+    def submit_each(self, requests: list[Request],
+                    request_ids: list[str | None] | None = None) -> list[Ticket | Rejected]:
+        """Enqueue several requests in order, in one transaction, each accepted or refused on its own:
+        what an API server does with the submissions of many concurrent clients."""
+        return self._submit(requests, request_ids, atomic=False)
+
+    def _submit(self, requests: list[Request], request_ids: list[str | None] | None,
+                atomic: bool) -> list[Ticket | Rejected]:
         ids = request_ids or [None] * len(requests)
-        items = [self._prepare(request, rid) for request, rid in zip(requests, ids, strict=True)]
+        items: list[_Item | Rejected] = []
+        for request, rid in zip(requests, ids, strict=True):
+            try:
+                items.append(self._prepare(request, rid))
+            except Rejected as exc:
+                if atomic:
+                    raise
+                items.append(exc)
         with self.connection.pipeline() as pipe:
             while True:
                 try:
-                    return self._submit_batch(pipe, items)
+                    return self._submit_batch(pipe, items, atomic)
                 except WatchError:
                     continue  # a concurrent submit touched one of our keys: re-read and retry
 
-    def _prepare(self, request: Request, request_id: str | None) -> tuple[Request, str, str]:
+    def _prepare(self, request: Request, request_id: str | None) -> "_Item":
         try:
             self.limits.check(request)
         except LimitExceeded as exc:
@@ -111,7 +149,8 @@ class Producer:
         rid = new_request_id(request.kind[:2]) if request_id is None else request_id
         if not _ID_RE.match(rid):
             raise Rejected.of(400, "invalid_request_id", f"request id {rid!r} must match {ID_PATTERN}")
-        return request, rid, digest(request)
+        shard = self.shard_of(request.model_id)
+        return _Item(request, rid, digest(request), shard, self._claim_key(request, rid))
 
     @staticmethod
     def _claim_key(request: Request, rid: str) -> str:
@@ -119,57 +158,69 @@ class Producer:
         seq_id = getattr(request, "seq_id", None)
         return keys.seq_key(request.model_id, seq_id) if seq_id is not None else keys.request_key(rid)
 
-    def _submit_batch(self, pipe, items: list[tuple[Request, str, str]]) -> list[Ticket]:
-        watched = {key for request, rid, _ in items for key in
-                   (keys.request_key(rid), self._claim_key(request, rid), keys.model_key(request.model_id, "wver"))}
-        pipe.watch(*watched)
-        tickets: list[Ticket] = []
-        fresh: list[tuple[Request, Ticket, str]] = []
-        in_batch: dict[str, tuple[Ticket, str]] = {}
-        latest: dict[str, int] = {}
-        added: dict[int, int] = {}
-        for request, rid, body_digest in items:
-            shard = self.shard_of(request.model_id)
-            claim = self._claim_key(request, rid)
-            if claim in in_batch or keys.request_key(rid) in in_batch:
-                first, first_digest = in_batch.get(claim) or in_batch[keys.request_key(rid)]
-                tickets.append(self._duplicate(request, rid, first.request_id, first_digest, first.version,
-                                               body_digest, shard))
+    def _read_states(self, items: list["_Item"]) -> list[list]:
+        """Everything each decision needs, for all items in one round trip (WATCH already covers it)."""
+        with self.connection.pipeline(transaction=False) as reads:
+            for item in items:
+                self._read_state(keys=[keys.request_key(item.rid), item.claim, self._queues[item.shard].key,
+                                       keys.model_key(item.request.model_id, "wver")],
+                                 args=[item.rid, keys.request_key("")], client=reads)
+            return reads.execute()
+
+    def _submit_batch(self, pipe, items: list["_Item | Rejected"], atomic: bool) -> list[Ticket | Rejected]:
+        live = [item for item in items if isinstance(item, _Item)]
+        pipe.watch(*{key for item in live for key in (keys.request_key(item.rid), item.claim,
+                                                      keys.model_key(item.request.model_id, "wver"))})
+        states = iter(self._read_states(live))
+        batch = _Batch()
+        outcomes: list[Ticket | Rejected] = []
+        for item in items:
+            if isinstance(item, Rejected):
+                outcomes.append(item)
                 continue
-            # One round trip for everything the decision needs; WATCH makes the MULTI below atomic with it.
-            first_rid, first_digest, first_version, depth, wver = self._read_state(
-                keys=[keys.request_key(rid), claim, self._queues[shard].key, keys.model_key(request.model_id, "wver")],
-                args=[rid, keys.request_key("")], client=pipe,
-            )
-            first_rid = first_rid.decode() if first_rid else rid
-            if first_digest is not None or first_rid != rid:
-                tickets.append(self._duplicate(
-                    request, rid, first_rid, first_digest and first_digest.decode(),
-                    int(first_version) if first_version else None, body_digest, shard,
-                ))
-                continue
-            if depth + added.get(shard, 0) >= self.limits.max_shard_queue_depth:
-                raise Rejected.of(
-                    429, "queue_full",
-                    f"shard {shard} has {depth} queued jobs (limit {self.limits.max_shard_queue_depth}); retry later",
-                    retryable=True,
-                )
-            request, version = self._stamp_version(request, latest.setdefault(request.model_id, int(wver or 0)))
-            if isinstance(request, WeightSyncRequest):
-                latest[request.model_id] = version
-            added[shard] = added.get(shard, 0) + 1
-            ticket = Ticket(rid, shard, version)
-            in_batch[claim] = in_batch[keys.request_key(rid)] = (ticket, body_digest)
-            fresh.append((request, ticket, body_digest))
-            tickets.append(ticket)
-        if not fresh:
+            try:
+                outcomes.append(self._place(item, next(states), batch))
+            except Rejected as exc:
+                if atomic:
+                    pipe.unwatch()
+                    raise
+                outcomes.append(exc)
+        if not batch.fresh:
             pipe.unwatch()
-            return tickets
+            return outcomes
         pipe.multi()
-        for request, ticket, body_digest in fresh:
+        for request, ticket, body_digest in batch.fresh:
             self._enqueue(pipe, request, ticket, body_digest)
         pipe.execute()
-        return tickets
+        return outcomes
+
+    def _place(self, item: "_Item", state: list, batch: "_Batch") -> Ticket:
+        """Decide one item against what Redis held and what this batch already placed."""
+        request, rid = item.request, item.rid
+        earlier = batch.placed.get(item.claim) or batch.placed.get(keys.request_key(rid))
+        if earlier is not None:
+            first, first_digest = earlier
+            return self._duplicate(request, rid, first.request_id, first_digest, first.version, item.digest,
+                                   item.shard)
+        first_rid, first_digest, first_version, depth, wver = state
+        first_rid = first_rid.decode() if first_rid else rid
+        if first_digest is not None or first_rid != rid:
+            return self._duplicate(request, rid, first_rid, first_digest and first_digest.decode(),
+                                   int(first_version) if first_version else None, item.digest, item.shard)
+        if depth + batch.added.get(item.shard, 0) >= self.limits.max_shard_queue_depth:
+            raise Rejected.of(
+                429, "queue_full",
+                f"shard {item.shard} has {depth} queued jobs (limit {self.limits.max_shard_queue_depth}); retry later",
+                retryable=True,
+            )
+        request, version = self._stamp_version(request, batch.latest.setdefault(request.model_id, int(wver or 0)))
+        if isinstance(request, WeightSyncRequest):
+            batch.latest[request.model_id] = version
+        batch.added[item.shard] = batch.added.get(item.shard, 0) + 1
+        ticket = Ticket(rid, item.shard, version)
+        batch.placed[item.claim] = batch.placed[keys.request_key(rid)] = (ticket, item.digest)
+        batch.fresh.append((request, ticket, item.digest))
+        return ticket
 
     def _enqueue(self, pipe, request: Request, ticket: Ticket, body_digest: str) -> None:
         self._record(pipe, request, ticket, body_digest)

@@ -129,3 +129,22 @@ def test_submit_many_is_all_or_nothing_and_versions_follow_batch_order(fake, pro
         producer.submit_many([SampleRequest(model_id="m", prompt_tokens=[3]), WeightSyncRequest(model_id="m")])
     assert info.value.error.code == "queue_full"
     assert len(queued(fake, producer, "m")) == 4 and fake.get(keys.model_key("m", "wver")) == b"1"
+
+
+def test_submit_each_decides_every_request_on_its_own_in_one_transaction(fake, producer):
+    producer.submit(SampleRequest(model_id="m", prompt_tokens=[1]), request_id="taken")
+    outcomes = producer.submit_each(
+        [SampleRequest(model_id="m", prompt_tokens=[2]),
+         SampleRequest(model_id="m", prompt_tokens=[3], num_samples=10_000),  # over a limit
+         SampleRequest(model_id="m", prompt_tokens=[9]),  # a different body under a used request id
+         WeightSyncRequest(model_id="m"),
+         SampleRequest(model_id="m", prompt_tokens=[1]),  # the same body again: the first ticket
+         SampleRequest(model_id="m", prompt_tokens=[4]),
+         SampleRequest(model_id="m", prompt_tokens=[5]),
+         SampleRequest(model_id="m", prompt_tokens=[6])],  # 1 + 4 queued: the depth limit of 5 is reached
+        [None, None, "taken", None, "taken", None, None, None])
+    codes = [o.error.code if isinstance(o, Rejected) else "ok" for o in outcomes]
+    assert codes == ["ok", "limit_exceeded", "idempotency_conflict", "ok", "ok", "ok", "ok", "queue_full"]
+    assert outcomes[4].duplicate and outcomes[4].request_id == "taken"
+    assert [outcomes[0].version, outcomes[3].version, outcomes[5].version] == [0, 1, 1]
+    assert queued(fake, producer, "m") == ["taken"] + [outcomes[i].request_id for i in (0, 3, 5, 6)]

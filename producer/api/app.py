@@ -22,6 +22,7 @@ from producer.api.limits import BodySizeLimit
 from producer.api.metrics import Metrics, ObserveLatency
 from producer.api.settings import ApiSettings
 from producer.api.state import ApiState
+from producer.api.submitter import GroupSubmitter
 from producer.api.waiter import AsyncResultWaiter
 from producer.enqueue import Producer, Ticket
 from producer.errors import Rejected
@@ -57,9 +58,10 @@ class Deps:
     state: ApiState
     waiter: AsyncResultWaiter
     metrics: Metrics
+    submitter: GroupSubmitter
 
     async def submit(self, request: QueueRequest, request_id: str | None = None) -> Ticket:
-        return await asyncio.to_thread(self.producer.submit, request, request_id)
+        return await self.submitter.submit(request, request_id)
 
 
 def create_app(redis_url: str, settings: ApiSettings | None = None, config: QueueConfig | None = None) -> FastAPI:
@@ -67,7 +69,7 @@ def create_app(redis_url: str, settings: ApiSettings | None = None, config: Queu
     producer = Producer(Redis.from_url(redis_url), config or QueueConfig())
     async_redis = AsyncRedis.from_url(redis_url)
     deps = Deps(settings, producer, ApiState(async_redis, settings.session_ttl_s), AsyncResultWaiter(async_redis),
-                Metrics(producer.queue_depths))
+                Metrics(producer.queue_depths), GroupSubmitter(producer))
     if not settings.keys():
         log.warning("TINKERQ_API_KEYS is unset: API key auth is OFF; anyone who reaches this port can use it")
 
