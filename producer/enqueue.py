@@ -169,6 +169,8 @@ class Producer:
 
     def _submit_batch(self, pipe, items: list["_Item | Rejected"], atomic: bool) -> list[Ticket | Rejected]:
         live = [item for item in items if isinstance(item, _Item)]
+        if not live:
+            return list(items)  # all refused already
         pipe.watch(*{key for item in live for key in (keys.request_key(item.rid), item.claim,
                                                       keys.model_key(item.request.model_id, "wver"))})
         states = iter(self._read_states(live))

@@ -296,3 +296,32 @@ def test_fuzzed_protobuf_bodies_never_make_a_5xx(api, drain):
         assert response.content
 
     check()
+
+
+def test_concurrent_submissions_share_one_transaction_and_keep_their_own_outcomes(r, config):
+    """The API's group commit: what arrives while a transaction is being prepared joins it."""
+    import asyncio
+
+    from producer import Producer, Rejected
+    from producer.api.submitter import GroupSubmitter
+    from schemas import SampleRequest, SamplingParams
+
+    def sample(i: int, n: int = 1) -> SampleRequest:
+        return SampleRequest(model_id="grouped:train:0", prompt_tokens=[i + 1], num_samples=n, weights_version=0,
+                             sampling_params=SamplingParams(max_tokens=4))
+
+    async def submit_all():
+        submitter = GroupSubmitter(Producer(r, config))
+        calls = [submitter.submit(sample(i, 10_000 if i == 5 else 1)) for i in range(24)]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    def execs() -> int:
+        return r.info("commandstats").get("cmdstat_exec", {}).get("calls", 0)
+
+    before = execs()
+    outcomes = asyncio.run(submit_all())
+    assert execs() - before == 1
+    assert isinstance(outcomes[5], Rejected) and outcomes[5].error.code == "limit_exceeded"
+    tickets = [o for i, o in enumerate(outcomes) if i != 5]
+    queue = f"rq:queue:{keys.queue_name(keys.shard_of('grouped:train:0', config.num_shards))}"
+    assert [i.decode() for i in r.lrange(queue, 0, -1)] == [t.request_id for t in tickets]

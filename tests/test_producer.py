@@ -148,3 +148,5 @@ def test_submit_each_decides_every_request_on_its_own_in_one_transaction(fake, p
     assert outcomes[4].duplicate and outcomes[4].request_id == "taken"
     assert [outcomes[0].version, outcomes[3].version, outcomes[5].version] == [0, 1, 1]
     assert queued(fake, producer, "m") == ["taken"] + [outcomes[i].request_id for i in (0, 3, 5, 6)]
+    assert producer.submit_each([SampleRequest(model_id="m", prompt_tokens=[7], num_samples=10_000)])[0].error.code \
+        == "limit_exceeded"  # nothing left to enqueue: no transaction at all
