@@ -1,10 +1,14 @@
 """What the HTTP layer costs: the real tinker SDK sampling through `tinkerq api`, against the same
 samples submitted with the producer library directly, in one run, at C concurrent samplers.
 
-    python bench/api_overhead.py [--concurrency 64] [--rounds 8] [--max-tokens 16]
+    python bench/api_overhead.py [--concurrency 64] [--rounds 8] [--max-tokens 16] [--api-workers 1]
+        [--split-cores | --worker-cpus 0-3 --api-cpus 4-5 --client-cpus 6-9]
 
 Both paths share one Redis and one `tinkerq worker --runtime torch` (tinyq-micro). Each round sends
-C requests at once and waits for all of them; the paths alternate round by round.
+C requests at once and waits for all of them; the paths alternate round by round. The CPU time each
+process spends per sample (client, API, worker) is measured with psutil over the same rounds: on a
+small machine the client and the API take their CPU from the worker. The --*-cpus options pin each
+process to its own cores, as separate hosts would.
 Prints a table and writes bench/out/api_overhead.json.
 """
 
@@ -24,6 +28,7 @@ from pathlib import Path
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import psutil  # noqa: E402
 import tinker  # noqa: E402
 from redis import Redis  # noqa: E402
 from tinker import types  # noqa: E402
@@ -42,9 +47,37 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 
 def start(args: list[str], env: dict[str, str], cpus: str | None = None) -> subprocess.Popen:
     pin = ["taskset", "-c", cpus] if cpus else []
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     return subprocess.Popen([*pin, sys.executable, "-m", "tinkerq.cli", *args], cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+                            env={**os.environ, **env, "PYTHONPATH": path},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def cpu_list(spec: str) -> list[int]:
+    """taskset's syntax: 0-3,8,10-11."""
+    cpus = []
+    for part in spec.split(","):
+        low, _, high = part.partition("-")
+        cpus.extend(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+class CpuMeter:
+    """CPU seconds of a process, with its children (an API's worker processes) where asked."""
+
+    def __init__(self, pid: int, children: bool = True) -> None:
+        self.process = psutil.Process(pid)
+        self.children = children
+
+    def seconds(self) -> float:
+        total = 0.0
+        for proc in [self.process, *(self.process.children(recursive=True) if self.children else ())]:
+            try:
+                times = proc.cpu_times()
+                total += times.user + times.system
+            except psutil.NoSuchProcess:
+                pass
+        return total
 
 
 def wait_http(url: str) -> None:
@@ -85,23 +118,33 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--device", default="auto", help="the worker's torch device (TINKERQ_DEVICE)")
+    parser.add_argument("--api-workers", type=int, default=1, help="`tinkerq api --workers`")
     parser.add_argument("--split-cores", action="store_true",
                         help="worker on the last core, API and clients on the others (as on separate hosts)")
+    parser.add_argument("--worker-cpus", help="taskset list for the worker, e.g. 0-3")
+    parser.add_argument("--api-cpus", help="taskset list for the API process(es)")
+    parser.add_argument("--client-cpus", help="taskset list for this process (the SDK client and the producer)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "out" / "api_overhead.json"))
     args = parser.parse_args()
     cores = sorted(os.sched_getaffinity(0))
-    worker_cpus = client_cpus = None
     if args.split_cores:
-        worker_cpus, client_cpus = str(cores[-1]), ",".join(map(str, cores[:-1]))
-        os.sched_setaffinity(0, set(cores[:-1]))
+        args.worker_cpus, args.api_cpus = str(cores[-1]), ",".join(map(str, cores[:-1]))
+        args.client_cpus = args.api_cpus
+    if args.client_cpus:
+        os.sched_setaffinity(0, set(cpu_list(args.client_cpus)))
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"tinkerq-api-bench-{os.getpid()}"
     with ExitStack() as stack:
         url = os.environ.get("REDIS_URL") or stack.enter_context(EmbeddedRedis()).url
         Redis.from_url(url).flushdb()
-        env = {"TINKERQ_NUM_SHARDS": "1", "TINKERQ_CHECKPOINT_ROOT": str(tmp)}
+        env = {"TINKERQ_NUM_SHARDS": "1", "TINKERQ_CHECKPOINT_ROOT": str(tmp), "TINKERQ_DEVICE": args.device}
+        # pinned, the worker's torch uses its own cores and no more
+        worker_env = {**env, "OMP_NUM_THREADS": str(len(cpu_list(args.worker_cpus)))} if args.worker_cpus else env
         port = free_port()
-        procs = [start(["worker", "--redis-url", url, "--runtime", "torch", "--log-level", "WARNING"], env, worker_cpus),
-                 start(["api", "--redis-url", url, "--port", str(port), "--log-level", "warning"], env, client_cpus)]
+        procs = [start(["worker", "--redis-url", url, "--runtime", "torch", "--engine", "torch",
+                        "--log-level", "WARNING"], worker_env, args.worker_cpus),
+                 start(["api", "--redis-url", url, "--port", str(port), "--workers", str(args.api_workers),
+                        "--log-level", "warning"], env, args.api_cpus)]
         stack.callback(lambda: [p.terminate() for p in procs])
         base_url = f"http://127.0.0.1:{port}"
         wait_http(f"{base_url}/api/v1/healthz")
@@ -120,27 +163,36 @@ def main() -> None:
         pool = stack.enter_context(ThreadPoolExecutor(args.concurrency))
         sdk_round(sampler, 8, params)
         direct_round(pool, producer, request, 8)  # warm-up
-        rows = {"sdk_via_api": ([], []), "producer_direct": ([], [])}
+        meters = {"client": CpuMeter(os.getpid(), children=False), "api": CpuMeter(procs[1].pid), "worker": CpuMeter(procs[0].pid)}
+        rows = {name: {"rates": [], "latencies": [], "cpu": dict.fromkeys(meters, 0.0)}
+                for name in ("sdk_via_api", "producer_direct")}
         for _ in tqdm(range(args.rounds), desc="rounds"):
             for name, run in (("sdk_via_api", lambda: sdk_round(sampler, args.concurrency, params)),
                               ("producer_direct", lambda: direct_round(pool, producer, request, args.concurrency))):
+                before = {who: meter.seconds() for who, meter in meters.items()}
                 seconds, latencies = run()
-                rows[name][0].append(args.concurrency / seconds)
-                rows[name][1].extend(latencies)
+                for who, meter in meters.items():
+                    rows[name]["cpu"][who] += meter.seconds() - before[who]
+                rows[name]["rates"].append(args.concurrency / seconds)
+                rows[name]["latencies"].extend(latencies)
         client.close("success").result()
     report = {"machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
               "workload": {k: v for k, v in vars(args).items() if k != "out"}}
-    for name, (rates, latencies) in rows.items():
-        report[name] = {"samples_per_s": statistics.median(rates), "p50_ms": 1000 * statistics.median(latencies),
-                        "p99_ms": 1000 * sorted(latencies)[int(0.99 * len(latencies)) - 1]}
+    samples = args.rounds * args.concurrency
+    for name, row in rows.items():
+        latencies = sorted(row["latencies"])
+        report[name] = {"samples_per_s": statistics.median(row["rates"]), "p50_ms": 1000 * statistics.median(latencies),
+                        "p99_ms": 1000 * latencies[int(0.99 * len(latencies)) - 1],
+                        "cpu_ms_per_sample": {who: 1000 * cpu / samples for who, cpu in row["cpu"].items()}}
     sdk, direct = report["sdk_via_api"], report["producer_direct"]
     report["throughput_overhead"] = 1 - sdk["samples_per_s"] / direct["samples_per_s"]
     report["p50_latency_overhead"] = sdk["p50_ms"] / direct["p50_ms"] - 1
-    print(f"\n{'path':<28}{'samples/s':>10}{'p50 ms':>9}{'p99 ms':>9}   ({args.concurrency} concurrent, "
-          f"{args.rounds} rounds)")
+    print(f"\n{'path':<20}{'samples/s':>10}{'p50 ms':>9}{'p99 ms':>9}   CPU ms per sample: client / API / worker"
+          f"   ({args.concurrency} concurrent, {args.rounds} rounds)")
     for name in rows:
-        print(f"{name:<28}{report[name]['samples_per_s']:>10.1f}{report[name]['p50_ms']:>9.1f}"
-              f"{report[name]['p99_ms']:>9.1f}")
+        cpu = report[name]["cpu_ms_per_sample"]
+        print(f"{name:<20}{report[name]['samples_per_s']:>10.1f}{report[name]['p50_ms']:>9.1f}"
+              f"{report[name]['p99_ms']:>9.1f}   {cpu['client']:>6.2f} / {cpu['api']:>5.2f} / {cpu['worker']:>5.2f}")
     print(f"HTTP layer + SDK cost: throughput -{report['throughput_overhead']:.1%}, "
           f"p50 latency +{report['p50_latency_overhead']:.1%} (target < 10%)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -81,7 +81,7 @@ class WorkerProc:
 class ApiProc(WorkerProc):
     """`tinkerq api` on a free port, as users run it."""
 
-    def __init__(self, redis_url: str, env: dict[str, str]) -> None:
+    def __init__(self, redis_url: str, env: dict[str, str], args: tuple[str, ...] = ()) -> None:
         from tinkerq.redis_server import free_port
 
         self.port = free_port()
@@ -89,7 +89,7 @@ class ApiProc(WorkerProc):
         self.log = open(Path(env.get("TINKERQ_CHECKPOINT_ROOT", "/tmp")) / f"api-{time.time_ns()}.log", "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tinkerq.cli", "api", "--redis-url", redis_url, "--port", str(self.port),
-             "--log-level", "warning"],
+             "--log-level", "warning", *args],
             env={**os.environ, **env, "PYTHONPATH": str(ROOT)}, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
         )
         import urllib.request
@@ -110,9 +110,9 @@ class ApiProc(WorkerProc):
 def start_api(redis_url: str, config: QueueConfig, tmp_path: Path):
     started: list[ApiProc] = []
 
-    def start(**env: str) -> ApiProc:
+    def start(*args: str, **env: str) -> ApiProc:
         base = {"TINKERQ_NUM_SHARDS": str(config.num_shards), "TINKERQ_CHECKPOINT_ROOT": str(tmp_path)}
-        proc = ApiProc(redis_url, {**base, **env})
+        proc = ApiProc(redis_url, {**base, **env}, args)
         started.append(proc)
         return proc
 

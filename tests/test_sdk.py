@@ -19,9 +19,10 @@ PROMPT = [5, 6, 7, 8, 9]
 
 @pytest.fixture
 def stack(start_worker, start_api, tmp_path):
-    """Worker (torch runtime) + API with a tiny forward_backward chunk size, so chunking happens."""
+    """Worker (torch runtime) + two API processes on one port (each call may reach either, so what one
+    remembers the other must find in Redis) with a tiny forward_backward chunk size, so chunking happens."""
     start_worker(TINKERQ_RUNTIME="torch")
-    api = start_api(TINKERQ_FWDBWD_MAX_CHUNK_LEN="2")
+    api = start_api("--workers", "2", TINKERQ_FWDBWD_MAX_CHUNK_LEN="2")
     client = tinker.ServiceClient(base_url=api.url, api_key="tml-test-key")
     yield client, api
     client.close("success").result()

@@ -51,15 +51,17 @@ def api(
     redis_url: RedisUrl = "redis://127.0.0.1:6379/0",
     host: Annotated[str, typer.Option(help="interface to bind")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port to listen on")] = 8000,
+    workers: Annotated[int, typer.Option(help="API processes sharing the port (they keep no state)")] = 1,
     log_level: Annotated[str, typer.Option(help="debug, info, warning")] = "info",
 ) -> None:
     """Serve the Tinker HTTP protocol (point the tinker SDK's base_url here)."""
     import uvicorn
 
-    from producer.api.app import create_app
-
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(redis_url), host=host, port=port, log_level=log_level.lower())
+    # Each process builds its own app (and Redis clients) from the environment, after the fork.
+    os.environ["REDIS_URL"] = redis_url
+    uvicorn.run("producer.api.app:app_from_env", factory=True, host=host, port=port, workers=workers,
+                log_level=log_level.lower())
 
 
 @app.command()

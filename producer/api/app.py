@@ -3,6 +3,7 @@
 import asyncio
 import hashlib
 import logging
+import os
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -89,6 +90,11 @@ def create_app(redis_url: str, settings: ApiSettings | None = None, config: Queu
     for router in _routes(deps):
         app.include_router(router)
     return app
+
+
+def app_from_env() -> FastAPI:
+    """The app of one `tinkerq api` process: REDIS_URL and TINKERQ_* settings from the environment."""
+    return create_app(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
 
 
 def _install_handlers(app: FastAPI, deps: Deps) -> None:
