@@ -7,7 +7,7 @@
 #   .apicarry/redis/  redis-server, liblzf.so.1, libjemalloc.so.2, libatomic.so.1
 # Usage: OUT=... bash bench/h200_api.sh TAG [api_overhead.py args...]
 set -euo pipefail
-[[ -d /tmp/site/tinker ]] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --upgrade --target /tmp/site .apicarry/whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TINKER_TELEMETRY=0
 export PATH=$PWD/.apicarry/redis:$PATH LD_LIBRARY_PATH=$PWD/.apicarry/redis:${LD_LIBRARY_PATH:-}
