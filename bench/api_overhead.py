@@ -1,5 +1,7 @@
 """What the HTTP layer costs: the real tinker SDK sampling through `tinkerq api`, against the same
-samples submitted with the producer library directly, in one run, at C concurrent samplers.
+samples submitted with the producer library directly, in one run, at C concurrent samplers; and, to
+tell the SDK's client-side cost from the server's, the same two HTTP calls per sample (asample,
+retrieve_future) from a bare asyncio HTTP client.
 
     python bench/api_overhead.py [--concurrency 64] [--rounds 8] [--max-tokens 16] [--api-workers 1]
         [--split-cores | --worker-cpus 0-3 --api-cpus 4-5 --client-cpus 6-9]
@@ -13,12 +15,15 @@ Prints a table and writes bench/out/api_overhead.json.
 """
 
 import argparse
+import asyncio
+import itertools
 import json
 import os
 import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +33,7 @@ from pathlib import Path
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import httpx  # noqa: E402
 import psutil  # noqa: E402
 import tinker  # noqa: E402
 from redis import Redis  # noqa: E402
@@ -43,6 +49,7 @@ from tinkerq.config import QueueConfig  # noqa: E402
 from tinkerq.redis_server import EmbeddedRedis, free_port  # noqa: E402
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+PROTO_TYPE = "application/x-protobuf"
 
 
 def start(args: list[str], env: dict[str, str], cpus: str | None = None) -> subprocess.Popen:
@@ -101,6 +108,39 @@ def sdk_round(sampler, n: int, params: types.SamplingParams) -> tuple[float, lis
     return time.perf_counter() - started, latencies
 
 
+class RawHttp:
+    """The same asample + retrieve_future calls from a bare asyncio HTTP client (httpx, one event loop):
+    what the HTTP layer costs without the SDK's own client-side work."""
+
+    def __init__(self, base_url: str, sampler_id: str, max_tokens: int) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.client = httpx.AsyncClient(base_url=f"{base_url}/api/v1", headers={"X-API-Key": "tml-bench"},
+                                        limits=httpx.Limits(max_connections=None), timeout=120)
+        self.body = {"sampling_session_id": sampler_id, "num_samples": 1,
+                     "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]},
+                     "sampling_params": {"max_tokens": max_tokens, "seed": 1, "stop": []}}
+        self.seq = itertools.count(10**6)  # clear of the SDK's seq ids on the same sampling session
+
+    async def _one(self) -> float:
+        sent = time.perf_counter()
+        response = await self.client.post("/asample", json={**self.body, "seq_id": next(self.seq)})
+        request_id = response.json()["request_id"]
+        while True:
+            result = await self.client.post("/retrieve_future", json={"request_id": request_id})
+            if result.headers["content-type"] == PROTO_TYPE:
+                return time.perf_counter() - sent
+            assert result.json().get("type") == "try_again", result.text
+
+    async def _round(self, n: int) -> tuple[float, list[float]]:
+        started = time.perf_counter()
+        latencies = await asyncio.gather(*(self._one() for _ in range(n)))
+        return time.perf_counter() - started, list(latencies)
+
+    def round(self, n: int) -> tuple[float, list[float]]:
+        return asyncio.run_coroutine_threadsafe(self._round(n), self.loop).result()
+
+
 def direct_round(pool: ThreadPoolExecutor, producer: Producer, request: SampleRequest, n: int):
     def one(_):
         sent = time.perf_counter()
@@ -154,21 +194,26 @@ def main() -> None:
         params = types.SamplingParams(max_tokens=args.max_tokens, seed=1, stop=[])
         # the same snapshot for the direct path: the one sampling session this run created
         redis = Redis.from_url(url)
-        sampler_state = redis.hgetall(next(redis.scan_iter("tq:sampler:*")))
+        sampler_key = next(redis.scan_iter("tq:sampler:*")).decode()
+        sampler_state = redis.hgetall(sampler_key)
         producer = Producer(Redis.from_url(url, max_connections=4 * args.concurrency), QueueConfig(num_shards=1))
         stack.callback(producer.close)
         request = SampleRequest(model_id=sampler_state[b"model_id"].decode(), prompt_tokens=PROMPT,
                                 weights_version=int(sampler_state[b"version"]),
                                 sampling_params=SamplingParams(max_tokens=args.max_tokens, seed=1, stop=[]))
         pool = stack.enter_context(ThreadPoolExecutor(args.concurrency))
+        raw = RawHttp(base_url, sampler_key.removeprefix("tq:sampler:"), args.max_tokens)
+        paths = {"sdk_via_api": lambda: sdk_round(sampler, args.concurrency, params),
+                 "http_via_api": lambda: raw.round(args.concurrency),
+                 "producer_direct": lambda: direct_round(pool, producer, request, args.concurrency)}
         sdk_round(sampler, 8, params)
+        raw.round(8)
         direct_round(pool, producer, request, 8)  # warm-up
         meters = {"client": CpuMeter(os.getpid(), children=False), "api": CpuMeter(procs[1].pid), "worker": CpuMeter(procs[0].pid)}
         rows = {name: {"rates": [], "latencies": [], "cpu": dict.fromkeys(meters, 0.0)}
-                for name in ("sdk_via_api", "producer_direct")}
+                for name in paths}
         for _ in tqdm(range(args.rounds), desc="rounds"):
-            for name, run in (("sdk_via_api", lambda: sdk_round(sampler, args.concurrency, params)),
-                              ("producer_direct", lambda: direct_round(pool, producer, request, args.concurrency))):
+            for name, run in paths.items():
                 before = {who: meter.seconds() for who, meter in meters.items()}
                 seconds, latencies = run()
                 for who, meter in meters.items():
@@ -184,17 +229,19 @@ def main() -> None:
         report[name] = {"samples_per_s": statistics.median(row["rates"]), "p50_ms": 1000 * statistics.median(latencies),
                         "p99_ms": 1000 * latencies[int(0.99 * len(latencies)) - 1],
                         "cpu_ms_per_sample": {who: 1000 * cpu / samples for who, cpu in row["cpu"].items()}}
-    sdk, direct = report["sdk_via_api"], report["producer_direct"]
-    report["throughput_overhead"] = 1 - sdk["samples_per_s"] / direct["samples_per_s"]
-    report["p50_latency_overhead"] = sdk["p50_ms"] / direct["p50_ms"] - 1
+    direct = report["producer_direct"]
+    for name in ("sdk_via_api", "http_via_api"):
+        report[name]["throughput_overhead"] = 1 - report[name]["samples_per_s"] / direct["samples_per_s"]
+        report[name]["p50_latency_overhead"] = report[name]["p50_ms"] / direct["p50_ms"] - 1
     print(f"\n{'path':<20}{'samples/s':>10}{'p50 ms':>9}{'p99 ms':>9}   CPU ms per sample: client / API / worker"
           f"   ({args.concurrency} concurrent, {args.rounds} rounds)")
     for name in rows:
         cpu = report[name]["cpu_ms_per_sample"]
         print(f"{name:<20}{report[name]['samples_per_s']:>10.1f}{report[name]['p50_ms']:>9.1f}"
               f"{report[name]['p99_ms']:>9.1f}   {cpu['client']:>6.2f} / {cpu['api']:>5.2f} / {cpu['worker']:>5.2f}")
-    print(f"HTTP layer + SDK cost: throughput -{report['throughput_overhead']:.1%}, "
-          f"p50 latency +{report['p50_latency_overhead']:.1%} (target < 10%)")
+    for name, label in (("sdk_via_api", "tinker SDK + HTTP layer"), ("http_via_api", "HTTP layer alone")):
+        print(f"{label} against the producer library: throughput -{report[name]['throughput_overhead']:.1%}, "
+              f"p50 latency +{report[name]['p50_latency_overhead']:.1%} (target < 10%)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
