@@ -35,7 +35,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx  # noqa: E402
 import psutil  # noqa: E402
+import pyqwest  # noqa: E402
 import tinker  # noqa: E402
+from pyqwest.httpx import AsyncPyqwestTransport  # noqa: E402
 from redis import Redis  # noqa: E402
 from tinker import types  # noqa: E402
 from tqdm import tqdm  # noqa: E402
@@ -109,14 +111,16 @@ def sdk_round(sampler, n: int, params: types.SamplingParams) -> tuple[float, lis
 
 
 class RawHttp:
-    """The same asample + retrieve_future calls from a bare asyncio HTTP client (httpx, one event loop):
+    """The same asample + retrieve_future calls from a bare asyncio HTTP client (one event loop):
     what the HTTP layer costs without the SDK's own client-side work."""
 
     def __init__(self, base_url: str, sampler_id: str, max_tokens: int) -> None:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        # the SDK's own transport (pyqwest, in Rust): httpx's pure-Python one costs several times more CPU
+        transport = AsyncPyqwestTransport(transport=pyqwest.HTTPTransport())
         self.client = httpx.AsyncClient(base_url=f"{base_url}/api/v1", headers={"X-API-Key": "tml-bench"},
-                                        limits=httpx.Limits(max_connections=None), timeout=120)
+                                        transport=transport, timeout=120)
         self.body = {"sampling_session_id": sampler_id, "num_samples": 1,
                      "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]},
                      "sampling_params": {"max_tokens": max_tokens, "seed": 1, "stop": []}}
