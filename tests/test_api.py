@@ -325,3 +325,21 @@ def test_concurrent_submissions_share_one_transaction_and_keep_their_own_outcome
     tickets = [o for i, o in enumerate(outcomes) if i != 5]
     queue = f"rq:queue:{keys.queue_name(keys.shard_of('grouped:train:0', config.num_shards))}"
     assert [i.decode() for i in r.lrange(queue, 0, -1)] == [t.request_id for t in tickets]
+
+
+def test_a_lost_redis_is_a_503_with_a_message_and_the_api_recovers(config):
+    from tinkerq.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis().start()
+    try:
+        with TestClient(create_app(server.url, ApiSettings(api_keys="tml-good"), config)) as api:
+            assert post(api, "create_session", {}).status_code == 200
+            server.process.kill()
+            server.process.wait()
+            down = post(api, "create_session", {})
+            assert down.status_code == 503 and "unavailable" in down.json()["error"]
+            assert down.headers["retry-after"] == "1"
+            server.start()  # same port, empty
+            assert post(api, "create_session", {}).status_code == 200
+    finally:
+        server.stop()

@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
+from redis.exceptions import RedisError
 
 from producer.api import bodies, proto
 from producer.api.errors import ApiError, error_response, rejected_response
@@ -109,6 +110,13 @@ def _install_handlers(app: FastAPI, deps: Deps) -> None:
     @app.exception_handler(Rejected)
     async def rejected(request: Request, exc: Rejected) -> JSONResponse:
         return rejected_response(exc)
+
+    @app.exception_handler(RedisError)
+    async def redis_down(request: Request, exc: RedisError) -> JSONResponse:
+        # Nothing was enqueued (or it was, and a retry with the same ids finds it): the SDK retries 503s.
+        log.warning("Redis unavailable: %s", exc)
+        return error_response(503, f"the job queue's Redis is unavailable ({type(exc).__name__}); retry later",
+                              "queue_unavailable", {"retry-after": "1"})
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
