@@ -141,7 +141,7 @@ class Producer:
                 except WatchError:
                     continue  # a concurrent submit touched one of our keys: re-read and retry
 
-    def _prepare(self, request: Request, request_id: str | None) -> "_Item":
+    def _prepare(self, request: Request, request_id: str | None) -> _Item:
         try:
             self.limits.check(request)
         except LimitExceeded as exc:
@@ -158,7 +158,7 @@ class Producer:
         seq_id = getattr(request, "seq_id", None)
         return keys.seq_key(request.model_id, seq_id) if seq_id is not None else keys.request_key(rid)
 
-    def _read_states(self, items: list["_Item"]) -> list[list]:
+    def _read_states(self, items: list[_Item]) -> list[list]:
         """Everything each decision needs, for all items in one round trip (WATCH already covers it)."""
         with self.connection.pipeline(transaction=False) as reads:
             for item in items:
@@ -167,7 +167,7 @@ class Producer:
                                  args=[item.rid, keys.request_key("")], client=reads)
             return reads.execute()
 
-    def _submit_batch(self, pipe, items: list["_Item | Rejected"], atomic: bool) -> list[Ticket | Rejected]:
+    def _submit_batch(self, pipe, items: list[_Item | Rejected], atomic: bool) -> list[Ticket | Rejected]:
         live = [item for item in items if isinstance(item, _Item)]
         if not live:
             return list(items)  # all refused already
@@ -196,19 +196,18 @@ class Producer:
         pipe.execute()
         return outcomes
 
-    def _place(self, item: "_Item", state: list, batch: "_Batch") -> Ticket:
+    def _place(self, item: _Item, state: list, batch: _Batch) -> Ticket:
         """Decide one item against what Redis held and what this batch already placed."""
         request, rid = item.request, item.rid
         earlier = batch.placed.get(item.claim) or batch.placed.get(keys.request_key(rid))
         if earlier is not None:
             first, first_digest = earlier
-            return self._duplicate(request, rid, first.request_id, first_digest, first.version, item.digest,
-                                   item.shard)
+            return self._duplicate(item, first.request_id, first_digest, first.version)
         first_rid, first_digest, first_version, depth, wver = state
         first_rid = first_rid.decode() if first_rid else rid
         if first_digest is not None or first_rid != rid:
-            return self._duplicate(request, rid, first_rid, first_digest and first_digest.decode(),
-                                   int(first_version) if first_version else None, item.digest, item.shard)
+            return self._duplicate(item, first_rid, first_digest and first_digest.decode(),
+                                   int(first_version) if first_version else None)
         if depth + batch.added.get(item.shard, 0) >= self.limits.max_shard_queue_depth:
             raise Rejected.of(
                 429, "queue_full",
@@ -239,16 +238,15 @@ class Producer:
         )
 
     @staticmethod
-    def _duplicate(
-        request: Request, rid: str, first_rid: str, first_digest: str | None, first_version: int | None,
-        body_digest: str, shard: int,
-    ) -> Ticket:
-        if first_digest is not None and first_digest != body_digest:
+    def _duplicate(item: _Item, first_rid: str, first_digest: str | None, first_version: int | None) -> Ticket:
+        if first_digest is not None and first_digest != item.digest:
+            request = item.request
             seq_id = getattr(request, "seq_id", None)
-            where = f"(model_id={request.model_id}, seq_id={seq_id})" if first_rid != rid else f"request id {rid}"
+            where = f"(model_id={request.model_id}, seq_id={seq_id})" if first_rid != item.rid else \
+                f"request id {item.rid}"
             raise Rejected.of(409, "idempotency_conflict", f"{where} was already used with a different body")
         # With no record left (expired) the seq claim still stands: answer with the first id.
-        return Ticket(first_rid, shard, first_version, duplicate=True)
+        return Ticket(first_rid, item.shard, first_version, duplicate=True)
 
     @staticmethod
     def _stamp_version(request: Request, latest: int) -> tuple[Request, int | None]:
