@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from producer import Producer  # noqa: E402
 from schemas import SampleRequest, SamplingParams  # noqa: E402
+from tinkerq import keys  # noqa: E402
 from tinkerq.config import QueueConfig  # noqa: E402
 from tinkerq.redis_server import EmbeddedRedis, free_port  # noqa: E402
 
@@ -99,14 +100,18 @@ def wait_http(url: str) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
-def sdk_round(sampler, n: int, params: types.SamplingParams) -> tuple[float, list[float]]:
+def sdk_round(pool: ThreadPoolExecutor, sampler, n: int, params: types.SamplingParams):
+    """n samples through the SDK; each is timed by a thread of its own, from the call to its result (awaiting
+    them in call order would charge a result that lands early with the wait for the ones before it)."""
+    def finished(sent_and_future) -> float:
+        sent, future = sent_and_future
+        future.result()
+        return time.perf_counter() - sent
+
     started = time.perf_counter()
     futures = [(time.perf_counter(), sampler.sample(prompt=types.ModelInput.from_ints(PROMPT), num_samples=1,
                                                     sampling_params=params)) for _ in range(n)]
-    latencies = []
-    for sent, future in futures:
-        future.result()
-        latencies.append(time.perf_counter() - sent)
+    latencies = list(pool.map(finished, futures))
     return time.perf_counter() - started, latencies
 
 
@@ -207,15 +212,15 @@ def main() -> None:
                                 sampling_params=SamplingParams(max_tokens=args.max_tokens, seed=1, stop=[]))
         pool = stack.enter_context(ThreadPoolExecutor(args.concurrency))
         raw = RawHttp(base_url, sampler_key.removeprefix("tq:sampler:"), args.max_tokens)
-        paths = {"sdk_via_api": lambda: sdk_round(sampler, args.concurrency, params),
+        paths = {"sdk_via_api": lambda: sdk_round(pool, sampler, args.concurrency, params),
                  "http_via_api": lambda: raw.round(args.concurrency),
                  "producer_direct": lambda: direct_round(pool, producer, request, args.concurrency)}
-        sdk_round(sampler, 8, params)
+        sdk_round(pool, sampler, 8, params)
         raw.round(8)
         direct_round(pool, producer, request, 8)  # warm-up
         meters = {"client": CpuMeter(os.getpid(), children=False), "api": CpuMeter(procs[1].pid),
                   "worker": CpuMeter(procs[0].pid)}
-        rows = run_rounds(paths, meters, args)
+        rows = run_rounds(paths, meters, Arrivals(redis), args)
         client.close("success").result()
     report = summarize(rows, args)
     print_report(report, args)
@@ -224,13 +229,35 @@ def main() -> None:
     print(f"wrote {args.out}")
 
 
-def run_rounds(paths: dict, meters: dict[str, CpuMeter], args) -> dict[str, dict]:
+class Arrivals:
+    """When each round's requests reached the queue (the producer's `created` stamp on each request record),
+    counted from the moment the round began: how long the client side takes to hand them all over."""
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        self.seen: set[bytes] = set()
+
+    def last_after(self, started: float) -> float:
+        new = [key for key in self.redis.scan_iter(f"{keys.PREFIX}:req:*", count=1000) if key not in self.seen]
+        self.seen.update(new)
+        with self.redis.pipeline(transaction=False) as pipe:
+            for key in new:
+                pipe.hget(key, "created")
+            created = [float(c) for c in pipe.execute() if c is not None]
+        return max(created) - started
+
+
+def run_rounds(paths: dict, meters: dict[str, CpuMeter], arrivals: Arrivals, args) -> dict[str, dict]:
     """Rounds alternate the paths, so drift on a shared machine hits all of them alike."""
-    rows = {name: {"rates": [], "latencies": [], "cpu": dict.fromkeys(meters, 0.0)} for name in paths}
+    rows = {name: {"rates": [], "latencies": [], "last_arrival": [], "cpu": dict.fromkeys(meters, 0.0)}
+            for name in paths}
+    arrivals.last_after(time.time())  # everything before the first round
     for _ in tqdm(range(args.rounds), desc="rounds"):
         for name, run in paths.items():
             before = {who: meter.seconds() for who, meter in meters.items()}
+            started = time.time()
             seconds, latencies = run()
+            rows[name]["last_arrival"].append(arrivals.last_after(started))
             for who, meter in meters.items():
                 rows[name]["cpu"][who] += meter.seconds() - before[who]
             rows[name]["rates"].append(args.concurrency / seconds)
@@ -246,6 +273,7 @@ def summarize(rows: dict[str, dict], args) -> dict:
         latencies = sorted(row["latencies"])
         report[name] = {"samples_per_s": statistics.median(row["rates"]), "p50_ms": 1000 * statistics.median(latencies),
                         "p99_ms": 1000 * latencies[int(0.99 * len(latencies)) - 1],
+                        "last_arrival_ms": 1000 * statistics.median(row["last_arrival"]),
                         "cpu_ms_per_sample": {who: 1000 * cpu / samples for who, cpu in row["cpu"].items()}}
     direct = report["producer_direct"]
     for name in ("sdk_via_api", "http_via_api"):
@@ -255,12 +283,13 @@ def summarize(rows: dict[str, dict], args) -> dict:
 
 
 def print_report(report: dict, args) -> None:
-    print(f"\n{'path':<20}{'samples/s':>10}{'p50 ms':>9}{'p99 ms':>9}   CPU ms per sample: client / API / worker"
-          f"   ({args.concurrency} concurrent, {args.rounds} rounds)")
+    print(f"\n{'path':<20}{'samples/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'last in':>9}   CPU ms per sample: "
+          f"client / API / worker   ({args.concurrency} concurrent, {args.rounds} rounds; last in: ms from the "
+          f"round's start to its last request reaching the queue)")
     for name in ("sdk_via_api", "http_via_api", "producer_direct"):
         row, cpu = report[name], report[name]["cpu_ms_per_sample"]
         print(f"{name:<20}{row['samples_per_s']:>10.1f}{row['p50_ms']:>9.1f}{row['p99_ms']:>9.1f}"
-              f"   {cpu['client']:>6.2f} / {cpu['api']:>5.2f} / {cpu['worker']:>5.2f}")
+              f"{row['last_arrival_ms']:>9.1f}   {cpu['client']:>6.2f} / {cpu['api']:>5.2f} / {cpu['worker']:>5.2f}")
     for name, label in (("sdk_via_api", "tinker SDK + HTTP layer"), ("http_via_api", "HTTP layer alone")):
         row = report[name]
         print(f"{label} against the producer library: throughput {-row['throughput_overhead']:+.1%}, "
