@@ -204,12 +204,16 @@ def test_garbage_jobs_get_error_results_and_the_worker_keeps_serving(r, producer
     r.hset("rq:job:unloadable-1", mapping={"data": zlib.compress(b"[]"), "status": "not-a-status",
                                            "origin": qname})
     r.rpush(f"rq:queue:{qname}", "unloadable-1")
+    # 7) queued through the producer, then its job hash deleted: RQ alone would skip it without a result
+    lost = sample(producer)
+    r.delete(f"rq:job:{lost.request_id}")
     good = sample(producer)
     drain(r, config, tmp_path)
     codes = {rid: result(producer, type("T", (), {"request_id": rid})).code
-             for rid in ("garbage-1", "evil-1", "arity-1", "schema-1", "shard-1", "unloadable-1")}
+             for rid in ("garbage-1", "evil-1", "arity-1", "schema-1", "shard-1", "unloadable-1", lost.request_id)}
     assert codes == {"garbage-1": "invalid_job", "evil-1": "invalid_job", "arity-1": "invalid_job",
-                     "schema-1": "invalid_request", "shard-1": "wrong_shard", "unloadable-1": "invalid_job"}
+                     "schema-1": "invalid_request", "shard-1": "wrong_shard", "unloadable-1": "invalid_job",
+                     lost.request_id: "job_lost"}
     assert not pwned.exists()
     assert isinstance(result(producer, good), SampleOutput)
     # infrastructure-level refusals are RQ FAILED (for the dashboard); domain errors are not

@@ -20,7 +20,7 @@ from tinkerq.keys import shard_of_queue
 from worker.dispatcher import Dispatcher
 from worker.fencing import Fence
 from worker.recovery import recover
-from worker.rq_worker import ShardWorker
+from worker.rq_worker import LostJob, ShardQueue, ShardWorker
 from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -48,8 +48,8 @@ class WorkerProcess:
         self._stopping = threading.Event()
         self._incarnation = 0
 
-    def _queue(self, shard: int) -> Queue:
-        return Queue(keys.queue_name(shard), connection=self.connection, serializer="json")
+    def _queue(self, shard: int) -> ShardQueue:
+        return ShardQueue(keys.queue_name(shard), connection=self.connection, serializer="json")
 
     def take_free_shards(self) -> list[int]:
         taken = self.fence.acquire(self.wanted)
@@ -116,7 +116,10 @@ class WorkerProcess:
 
     def _on_unloadable(self, job_id: str, queue: Queue, exc: Exception) -> None:
         self.connection.lrem(queue.intermediate_queue_key, 0, job_id)
-        error = ErrorResponse(error=f"the job could not be loaded: {exc}", status=400, code="invalid_job")
+        if isinstance(exc, LostJob):
+            error = ErrorResponse(error=str(exc), status=500, code="job_lost")
+        else:
+            error = ErrorResponse(error=f"the job could not be loaded: {exc}", status=400, code="invalid_job")
         self.dispatcher.fail(shard_of_queue(queue.name), job_id, error)
 
     def _keep_leases(self) -> None:

@@ -6,13 +6,14 @@
   RQ's registry cleanup never marks a running job abandoned.
 - Every failure path ends with an ErrorResponse stored for the request.
 - The idle loop ticks every `tick_s`, which lets the worker answer held ops whose deadline passed.
+- A queued id whose job hash is gone is answered too (RQ would drop it without a trace).
 """
 
 import logging
 import threading
 from collections.abc import Callable
 
-from rq import SimpleWorker
+from rq import Queue, SimpleWorker
 from rq.job import Job
 from rq.worker import WorkerStatus
 
@@ -34,8 +35,28 @@ class AllowlistJob(Job):
         return super().perform()
 
 
+class LostJob(Exception):
+    """A queued id whose RQ job hash is gone (deleted, or evicted by a Redis not set to noeviction)."""
+
+
+class ShardQueue(Queue):
+    # RQ's dequeue skips an id without a job hash in silence, and its client would wait for a result
+    # forever. Raised with job_id and queue attached, it takes the path of an unloadable job instead.
+    # (`_fetch_dequeued_job` is RQ-internal; rq is pinned exactly in pyproject.)
+    @classmethod
+    def _fetch_dequeued_job(cls, connection, queue_key: str, job_id: str, **kwargs):
+        fetched = super()._fetch_dequeued_job(connection, queue_key, job_id, **kwargs)
+        if fetched is None:
+            lost = LostJob(f"job {job_id} was queued but its data is gone from Redis (deleted or evicted)")
+            lost.job_id = job_id  # type: ignore[attr-defined]
+            lost.queue = cls.from_queue_key(queue_key, connection=connection, serializer=kwargs.get("serializer"))  # type: ignore[attr-defined]
+            raise lost
+        return fetched
+
+
 class ShardWorker(SimpleWorker):
     job_class = AllowlistJob
+    queue_class = ShardQueue
 
     def __init__(
         self,
