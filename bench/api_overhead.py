@@ -226,7 +226,28 @@ def main() -> None:
     print_report(report, args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    plot_latencies(rows, Path(args.out).with_suffix(".png"), args)
+    print(f"wrote {args.out} and its latency plot")
+
+
+def plot_latencies(rows: dict[str, dict], out: Path, args) -> None:
+    """Latency CDF per path: where the paths part (the first samples, the median, the tail) shows at a glance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, row in rows.items():
+        latencies = sorted(1000 * x for x in row["latencies"])
+        ax.plot(latencies, [(i + 1) / len(latencies) for i in range(len(latencies))], label=name)
+    ax.set(xlabel="sample latency, ms (call to result)", ylabel="fraction of samples",
+           title=f"{args.concurrency} concurrent samplers, {args.rounds} rounds per path")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
 
 
 class Arrivals:
@@ -237,27 +258,30 @@ class Arrivals:
         self.redis = redis
         self.seen: set[bytes] = set()
 
-    def last_after(self, started: float) -> float:
+    def after(self, started: float) -> tuple[float, float]:
+        """(first, last) arrival of the requests that came in since the last call, from `started`."""
         new = [key for key in self.redis.scan_iter(f"{keys.PREFIX}:req:*", count=1000) if key not in self.seen]
         self.seen.update(new)
         with self.redis.pipeline(transaction=False) as pipe:
             for key in new:
                 pipe.hget(key, "created")
             created = [float(c) for c in pipe.execute() if c is not None]
-        return max(created) - started
+        return (min(created) - started, max(created) - started) if created else (0.0, 0.0)
 
 
 def run_rounds(paths: dict, meters: dict[str, CpuMeter], arrivals: Arrivals, args) -> dict[str, dict]:
     """Rounds alternate the paths, so drift on a shared machine hits all of them alike."""
-    rows = {name: {"rates": [], "latencies": [], "last_arrival": [], "cpu": dict.fromkeys(meters, 0.0)}
+    rows = {name: {"rates": [], "latencies": [], "first_arrival": [], "last_arrival": [], "cpu": dict.fromkeys(meters, 0.0)}
             for name in paths}
-    arrivals.last_after(time.time())  # everything before the first round
+    arrivals.after(time.time())  # everything before the first round
     for _ in tqdm(range(args.rounds), desc="rounds"):
         for name, run in paths.items():
             before = {who: meter.seconds() for who, meter in meters.items()}
             started = time.time()
             seconds, latencies = run()
-            rows[name]["last_arrival"].append(arrivals.last_after(started))
+            first, last = arrivals.after(started)
+            rows[name]["first_arrival"].append(first)
+            rows[name]["last_arrival"].append(last)
             for who, meter in meters.items():
                 rows[name]["cpu"][who] += meter.seconds() - before[who]
             rows[name]["rates"].append(args.concurrency / seconds)
@@ -273,6 +297,7 @@ def summarize(rows: dict[str, dict], args) -> dict:
         latencies = sorted(row["latencies"])
         report[name] = {"samples_per_s": statistics.median(row["rates"]), "p50_ms": 1000 * statistics.median(latencies),
                         "p99_ms": 1000 * latencies[int(0.99 * len(latencies)) - 1],
+                        "first_arrival_ms": 1000 * statistics.median(row["first_arrival"]),
                         "last_arrival_ms": 1000 * statistics.median(row["last_arrival"]),
                         "cpu_ms_per_sample": {who: 1000 * cpu / samples for who, cpu in row["cpu"].items()}}
     direct = report["producer_direct"]
@@ -283,13 +308,13 @@ def summarize(rows: dict[str, dict], args) -> dict:
 
 
 def print_report(report: dict, args) -> None:
-    print(f"\n{'path':<20}{'samples/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'last in':>9}   CPU ms per sample: "
-          f"client / API / worker   ({args.concurrency} concurrent, {args.rounds} rounds; last in: ms from the "
-          f"round's start to its last request reaching the queue)")
+    print(f"\n{'path':<20}{'samples/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'in: first-last':>16}   CPU ms per sample: "
+          f"client / API / worker   ({args.concurrency} concurrent, {args.rounds} rounds; in: ms from the "
+          f"round's start to its first and last request reaching the queue)")
     for name in ("sdk_via_api", "http_via_api", "producer_direct"):
         row, cpu = report[name], report[name]["cpu_ms_per_sample"]
         print(f"{name:<20}{row['samples_per_s']:>10.1f}{row['p50_ms']:>9.1f}{row['p99_ms']:>9.1f}"
-              f"{row['last_arrival_ms']:>9.1f}   {cpu['client']:>6.2f} / {cpu['api']:>5.2f} / {cpu['worker']:>5.2f}")
+              f"{row['first_arrival_ms']:>9.1f}-{row['last_arrival_ms']:<6.1f}   {cpu['client']:>6.2f} / {cpu['api']:>5.2f} / {cpu['worker']:>5.2f}")
     for name, label in (("sdk_via_api", "tinker SDK + HTTP layer"), ("http_via_api", "HTTP layer alone")):
         row = report[name]
         print(f"{label} against the producer library: throughput {-row['throughput_overhead']:+.1%}, "
