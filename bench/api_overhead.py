@@ -174,6 +174,7 @@ def main() -> None:
     parser.add_argument("--worker-cpus", help="taskset list for the worker, e.g. 0-3")
     parser.add_argument("--api-cpus", help="taskset list for the API process(es)")
     parser.add_argument("--client-cpus", help="taskset list for this process (the SDK client and the producer)")
+    parser.add_argument("--only", help="run only these paths (comma-separated), e.g. to profile one of them")
     parser.add_argument("--out", default=str(ROOT / "bench" / "out" / "api_overhead.json"))
     args = parser.parse_args()
     cores = sorted(os.sched_getaffinity(0))
@@ -215,6 +216,8 @@ def main() -> None:
         paths = {"sdk_via_api": lambda: sdk_round(pool, sampler, args.concurrency, params),
                  "http_via_api": lambda: raw.round(args.concurrency),
                  "producer_direct": lambda: direct_round(pool, producer, request, args.concurrency)}
+        if args.only:
+            paths = {name: run for name, run in paths.items() if name in args.only.split(",")}
         sdk_round(pool, sampler, 8, params)
         raw.round(8)
         direct_round(pool, producer, request, 8)  # warm-up
@@ -300,8 +303,10 @@ def summarize(rows: dict[str, dict], args) -> dict:
                         "first_arrival_ms": 1000 * statistics.median(row["first_arrival"]),
                         "last_arrival_ms": 1000 * statistics.median(row["last_arrival"]),
                         "cpu_ms_per_sample": {who: 1000 * cpu / samples for who, cpu in row["cpu"].items()}}
-    direct = report["producer_direct"]
-    for name in ("sdk_via_api", "http_via_api"):
+    direct = report.get("producer_direct")
+    for name in ("sdk_via_api", "http_via_api") if direct else ():
+        if name not in report:
+            continue
         report[name]["throughput_overhead"] = 1 - report[name]["samples_per_s"] / direct["samples_per_s"]
         report[name]["p50_latency_overhead"] = report[name]["p50_ms"] / direct["p50_ms"] - 1
     return report
@@ -311,12 +316,14 @@ def print_report(report: dict, args) -> None:
     print(f"\n{'path':<20}{'samples/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'in: first-last':>16}   CPU ms per sample: "
           f"client / API / worker   ({args.concurrency} concurrent, {args.rounds} rounds; in: ms from the "
           f"round's start to its first and last request reaching the queue)")
-    for name in ("sdk_via_api", "http_via_api", "producer_direct"):
+    for name in [n for n in ("sdk_via_api", "http_via_api", "producer_direct") if n in report]:
         row, cpu = report[name], report[name]["cpu_ms_per_sample"]
         print(f"{name:<20}{row['samples_per_s']:>10.1f}{row['p50_ms']:>9.1f}{row['p99_ms']:>9.1f}"
               f"{row['first_arrival_ms']:>9.1f}-{row['last_arrival_ms']:<6.1f}   {cpu['client']:>6.2f} / {cpu['api']:>5.2f} / {cpu['worker']:>5.2f}")
     for name, label in (("sdk_via_api", "tinker SDK + HTTP layer"), ("http_via_api", "HTTP layer alone")):
-        row = report[name]
+        row = report.get(name, {})
+        if "throughput_overhead" not in row:
+            continue
         print(f"{label} against the producer library: throughput {-row['throughput_overhead']:+.1%}, "
               f"p50 latency {row['p50_latency_overhead']:+.1%} (target: within 10%)")
 
