@@ -96,7 +96,7 @@ class Dispatcher:
         try:
             result = self.runtime.execute(request)
         except DomainError as exc:
-            result = exc.response()
+            result = self._state_lost(request.model_id, exc.response())
         except Exception as exc:
             # This op may be a parked one run inside another job: answer it here, then let RQ see it.
             self.fail(shard, rid, classify(type(exc), exc))
@@ -122,10 +122,23 @@ class Dispatcher:
         except BaseException:
             self.batcher.release(queue_key, shard, claimed)  # each will be retried on its own
             raise
-        for each_rid, result in zip([rid] + [c.request_id for c in claimed], results):
-            self.finish(shard, each_rid, result)
+        for each_rid, each, result in zip([rid] + [c.request_id for c in claimed], [request] + [c.request for c in claimed],
+                                          results):
+            self.finish(shard, each_rid, self._state_lost(each.model_id, result))
         self.batcher.finish(shard, claimed, job.worker_name)
         return {"request_id": rid, "type": "sample", "batch": 1 + len(claimed)}
+
+    def _state_lost(self, model_id: str, result: Result) -> Result:
+        """`unknown_model` for a model that Redis knows was created: its state lived in the memory of a worker
+        that is gone (it died, or its shard moved), and saying "create it first" would mislead."""
+        if not (isinstance(result, ErrorResponse) and result.code == "unknown_model"):
+            return result
+        if not self.connection.exists(keys.model_key(model_id, "info")):
+            return result
+        return ErrorResponse(status=500, code="model_state_lost", error=(
+            f"model {model_id!r} was created on a worker that is gone, and its training state and weight "
+            "snapshots lived in that worker's memory; restore it with load_state from a saved state, or create "
+            "a new model"))
 
     def internal_error(self, job: Job, exc_type: type, exc: BaseException) -> None:
         """RQ exception handler: the job raised or timed out; its request still gets one result."""
