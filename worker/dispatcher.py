@@ -117,13 +117,13 @@ class Dispatcher:
     def _sample(self, job: Job, shard: int, rid: str, request: SampleRequest) -> dict[str, Any]:
         queue_key = Queue.redis_queue_namespace_prefix + job.origin
         claimed = self.batcher.claim(queue_key, shard, self.config.max_batch_requests - 1)
+        batch = [(rid, request)] + [(c.request_id, c.request) for c in claimed]
         try:
-            results = self.runtime.sample([request] + [c.request for c in claimed])
+            results = self.runtime.sample([each for _, each in batch])
         except BaseException:
             self.batcher.release(queue_key, shard, claimed)  # each will be retried on its own
             raise
-        for each_rid, each, result in zip([rid] + [c.request_id for c in claimed], [request] + [c.request for c in claimed],
-                                          results):
+        for (each_rid, each), result in zip(batch, results, strict=True):
             self.finish(shard, each_rid, self._state_lost(each.model_id, result))
         self.batcher.finish(shard, claimed, job.worker_name)
         return {"request_id": rid, "type": "sample", "batch": 1 + len(claimed)}
