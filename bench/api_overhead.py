@@ -298,7 +298,8 @@ def summarize(rows: dict[str, dict], args) -> dict:
     samples = args.rounds * args.concurrency
     for name, row in rows.items():
         latencies = sorted(row["latencies"])
-        report[name] = {"samples_per_s": statistics.median(row["rates"]), "p50_ms": 1000 * statistics.median(latencies),
+        report[name] = {"samples_per_s": statistics.median(row["rates"]), "min_ms": 1000 * latencies[0],
+                        "p50_ms": 1000 * statistics.median(latencies),
                         "p99_ms": 1000 * latencies[int(0.99 * len(latencies)) - 1],
                         "first_arrival_ms": 1000 * statistics.median(row["first_arrival"]),
                         "last_arrival_ms": 1000 * statistics.median(row["last_arrival"]),
