@@ -66,13 +66,15 @@ class Ticket:
 
 @dataclass(frozen=True)
 class _Item:
-    """A validated submission: its request id, body digest, shard and the key that makes it unique."""
+    """A validated submission: its request id, body digest, shard, and the Redis keys it is decided on."""
 
     request: Request
     rid: str
     digest: str
     shard: int
-    claim: str
+    record: str  # its request record
+    claim: str  # what makes it unique: (model, seq_id), else the record
+    wver: str  # its model's latest enqueued weights version
 
 
 @dataclass
@@ -149,8 +151,8 @@ class Producer:
         rid = new_request_id(request.kind[:2]) if request_id is None else request_id
         if not _ID_RE.match(rid):
             raise Rejected.of(400, "invalid_request_id", f"request id {rid!r} must match {ID_PATTERN}")
-        shard = self.shard_of(request.model_id)
-        return _Item(request, rid, digest(request), shard, self._claim_key(request, rid))
+        return _Item(request, rid, digest(request), self.shard_of(request.model_id), keys.request_key(rid),
+                     self._claim_key(request, rid), keys.model_key(request.model_id, "wver"))
 
     @staticmethod
     def _claim_key(request: Request, rid: str) -> str:
@@ -162,8 +164,7 @@ class Producer:
         """Everything each decision needs, for all items in one round trip (WATCH already covers it)."""
         with self.connection.pipeline(transaction=False) as reads:
             for item in items:
-                self._read_state(keys=[keys.request_key(item.rid), item.claim, self._queues[item.shard].key,
-                                       keys.model_key(item.request.model_id, "wver")],
+                self._read_state(keys=[item.record, item.claim, self._queues[item.shard].key, item.wver],
                                  args=[item.rid, keys.request_key("")], client=reads)
             return reads.execute()
 
@@ -171,8 +172,7 @@ class Producer:
         live = [item for item in items if isinstance(item, _Item)]
         if not live:
             return list(items)  # all refused already
-        pipe.watch(*{key for item in live for key in (keys.request_key(item.rid), item.claim,
-                                                      keys.model_key(item.request.model_id, "wver"))})
+        pipe.watch(*{key for item in live for key in (item.record, item.claim, item.wver)})
         states = iter(self._read_states(live))
         batch = _Batch()
         outcomes: list[Ticket | Rejected] = []
@@ -199,7 +199,7 @@ class Producer:
     def _place(self, item: _Item, state: list, batch: _Batch) -> Ticket:
         """Decide one item against what Redis held and what this batch already placed."""
         request, rid = item.request, item.rid
-        earlier = batch.placed.get(item.claim) or batch.placed.get(keys.request_key(rid))
+        earlier = batch.placed.get(item.claim) or batch.placed.get(item.record)
         if earlier is not None:
             first, first_digest = earlier
             return self._duplicate(item, first.request_id, first_digest, first.version)
@@ -219,7 +219,7 @@ class Producer:
             batch.latest[request.model_id] = version
         batch.added[item.shard] = batch.added.get(item.shard, 0) + 1
         ticket = Ticket(rid, item.shard, version)
-        batch.placed[item.claim] = batch.placed[keys.request_key(rid)] = (ticket, item.digest)
+        batch.placed[item.claim] = batch.placed[item.record] = (ticket, item.digest)
         batch.fresh.append((request, ticket, item.digest))
         return ticket
 
