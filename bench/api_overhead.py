@@ -4,9 +4,9 @@ tell the SDK's client-side cost from the server's, the same two HTTP calls per s
 retrieve_future) from a bare asyncio HTTP client.
 
     python bench/api_overhead.py [--concurrency 64] [--rounds 8] [--max-tokens 16] [--api-workers 1]
-        [--split-cores | --worker-cpus 0-3 --api-cpus 4-5 --client-cpus 6-9]
+        [--model tinyq-micro] [--split-cores | --worker-cpus 0-3 --api-cpus 4-5 --client-cpus 6-9]
 
-Both paths share one Redis and one `tinkerq worker --runtime torch` (tinyq-micro). Each round sends
+Both paths share one Redis and one `tinkerq worker --runtime torch` (--model, tinyq-micro by default). Each round sends
 C requests at once and waits for all of them; the paths alternate round by round. The CPU time each
 process spends per sample (client, API, worker) is measured with psutil over the same rounds: on a
 small machine the client and the API take their CPU from the worker. The --*-cpus options pin each
@@ -39,6 +39,8 @@ import pyqwest  # noqa: E402
 import tinker  # noqa: E402
 from pyqwest.httpx import AsyncPyqwestTransport  # noqa: E402
 from redis import Redis  # noqa: E402
+from rq.job import Job  # noqa: E402
+from rq.serializers import JSONSerializer  # noqa: E402
 from tinker import types  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -167,6 +169,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--model", default="tinyq-micro", help="a local model name (tinkerq.local_models)")
     parser.add_argument("--device", default="auto", help="the worker's torch device (TINKERQ_DEVICE)")
     parser.add_argument("--api-workers", type=int, default=1, help="`tinkerq api --workers`")
     parser.add_argument("--split-cores", action="store_true",
@@ -199,7 +202,7 @@ def main() -> None:
         base_url = f"http://127.0.0.1:{port}"
         wait_http(f"{base_url}/api/v1/healthz")
         client = tinker.ServiceClient(base_url=base_url, api_key="tml-bench")
-        trainer = client.create_lora_training_client(base_model="tinyq-micro", rank=8, seed=0).result()
+        trainer = client.create_lora_training_client(base_model=args.model, rank=8, seed=0).result()
         sampler = trainer.save_weights_and_get_sampling_client().result()
         params = types.SamplingParams(max_tokens=args.max_tokens, seed=1, stop=[])
         # the same snapshot for the direct path: the one sampling session this run created
@@ -223,7 +226,7 @@ def main() -> None:
         direct_round(pool, producer, request, 8)  # warm-up
         meters = {"client": CpuMeter(os.getpid(), children=False), "api": CpuMeter(procs[1].pid),
                   "worker": CpuMeter(procs[0].pid)}
-        rows = run_rounds(paths, meters, Arrivals(redis), args)
+        rows = run_rounds(paths, meters, RoundProbe(redis), args)
         client.close("success").result()
     report = summarize(rows, args)
     print_report(report, args)
@@ -253,36 +256,57 @@ def plot_latencies(rows: dict[str, dict], out: Path, args) -> None:
     plt.close(fig)
 
 
-class Arrivals:
-    """When each round's requests reached the queue (the producer's `created` stamp on each request record),
-    counted from the moment the round began: how long the client side takes to hand them all over."""
+class RoundProbe:
+    """What the queue saw of each round, read back from Redis: when its requests reached the queue (the
+    producer's `created` stamp on each request record, from the moment the round began: how long the client
+    side takes to hand them all over), and the engine calls that served them (the worker's RQ summary of
+    each batch's leading job: how the arrivals were grouped)."""
 
     def __init__(self, redis: Redis) -> None:
         self.redis = redis
         self.seen: set[bytes] = set()
 
-    def after(self, started: float) -> tuple[float, float]:
-        """(first, last) arrival of the requests that came in since the last call, from `started`."""
+    def after(self, started: float) -> tuple[float, float, list[int]]:
+        """(first, last) arrival and the batch sizes of the requests that came in since the last call."""
         new = [key for key in self.redis.scan_iter(f"{keys.PREFIX}:req:*", count=1000) if key not in self.seen]
         self.seen.update(new)
+        ids = [key.decode().removeprefix(keys.request_key("")) for key in new]
         with self.redis.pipeline(transaction=False) as pipe:
             for key in new:
                 pipe.hget(key, "created")
             created = [float(c) for c in pipe.execute() if c is not None]
-        return (min(created) - started, max(created) - started) if created else (0.0, 0.0)
+        batches = self._batches(ids)
+        if not created:
+            return 0.0, 0.0, batches
+        return min(created) - started, max(created) - started, batches
+
+    def _batches(self, ids: list[str]) -> list[int]:
+        """Sizes of the engine calls that served these requests, in the order they ran. RQ writes a batch's
+        summary after its results, so wait a little for the last one."""
+        for _ in range(50):
+            jobs = [job for job in Job.fetch_many(ids, connection=self.redis, serializer=JSONSerializer) if job]
+            leaders = [(job.started_at, job.return_value()) for job in jobs]
+            batches = [summary["batch"] for _, summary in sorted(
+                (leader for leader in leaders if isinstance(leader[1], dict) and "batch" in leader[1]),
+                key=lambda leader: leader[0])]
+            if sum(batches) >= len(jobs):
+                return batches
+            time.sleep(0.02)
+        return batches
 
 
-def run_rounds(paths: dict, meters: dict[str, CpuMeter], arrivals: Arrivals, args) -> dict[str, dict]:
+def run_rounds(paths: dict, meters: dict[str, CpuMeter], probe: RoundProbe, args) -> dict[str, dict]:
     """Rounds alternate the paths, so drift on a shared machine hits all of them alike."""
-    rows = {name: {"rates": [], "latencies": [], "first_arrival": [], "last_arrival": [], "cpu": dict.fromkeys(meters, 0.0)}
+    rows = {name: {"rates": [], "latencies": [], "first_arrival": [], "last_arrival": [], "batches": [], "cpu": dict.fromkeys(meters, 0.0)}
             for name in paths}
-    arrivals.after(time.time())  # everything before the first round
+    probe.after(time.time())  # everything before the first round
     for _ in tqdm(range(args.rounds), desc="rounds"):
         for name, run in paths.items():
             before = {who: meter.seconds() for who, meter in meters.items()}
             started = time.time()
             seconds, latencies = run()
-            first, last = arrivals.after(started)
+            first, last, batches = probe.after(started)
+            rows[name]["batches"].append(batches)
             rows[name]["first_arrival"].append(first)
             rows[name]["last_arrival"].append(last)
             for who, meter in meters.items():
@@ -303,6 +327,8 @@ def summarize(rows: dict[str, dict], args) -> dict:
                         "p99_ms": 1000 * latencies[int(0.99 * len(latencies)) - 1],
                         "first_arrival_ms": 1000 * statistics.median(row["first_arrival"]),
                         "last_arrival_ms": 1000 * statistics.median(row["last_arrival"]),
+                        "engine_calls_per_round": statistics.median(len(b) for b in row["batches"]),
+                        "batches_per_round": row["batches"],
                         "cpu_ms_per_sample": {who: 1000 * cpu / samples for who, cpu in row["cpu"].items()}}
     direct = report.get("producer_direct")
     for name in ("sdk_via_api", "http_via_api") if direct else ():
@@ -314,13 +340,13 @@ def summarize(rows: dict[str, dict], args) -> dict:
 
 
 def print_report(report: dict, args) -> None:
-    print(f"\n{'path':<20}{'samples/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'in: first-last':>16}   CPU ms per sample: "
+    print(f"\n{'path':<20}{'samples/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'in: first-last':>16}{'calls':>6}   CPU ms per sample: "
           f"client / API / worker   ({args.concurrency} concurrent, {args.rounds} rounds; in: ms from the "
-          f"round's start to its first and last request reaching the queue)")
+          f"round's start to its first and last request reaching the queue; calls: engine calls per round)")
     for name in [n for n in ("sdk_via_api", "http_via_api", "producer_direct") if n in report]:
         row, cpu = report[name], report[name]["cpu_ms_per_sample"]
         print(f"{name:<20}{row['samples_per_s']:>10.1f}{row['p50_ms']:>9.1f}{row['p99_ms']:>9.1f}"
-              f"{row['first_arrival_ms']:>9.1f}-{row['last_arrival_ms']:<6.1f}   {cpu['client']:>6.2f} / {cpu['api']:>5.2f} / {cpu['worker']:>5.2f}")
+              f"{row['first_arrival_ms']:>9.1f}-{row['last_arrival_ms']:<6.1f}{row['engine_calls_per_round']:>6g}   {cpu['client']:>6.2f} / {cpu['api']:>5.2f} / {cpu['worker']:>5.2f}")
     for name, label in (("sdk_via_api", "tinker SDK + HTTP layer"), ("http_via_api", "HTTP layer alone")):
         row = report.get(name, {})
         if "throughput_overhead" not in row:

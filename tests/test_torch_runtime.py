@@ -291,3 +291,44 @@ def test_bad_training_input_is_a_clear_error(rt):
     assert too_long.code == "context_exceeded"
     with pytest.raises(DomainError, match="unknown model"):
         rt.execute(CreateModelRequest(model_id="x", base_model="no-such-model"))
+
+
+
+def test_requests_admitted_mid_decode_sample_exactly_what_they_would_alone(rt):
+    """Continuous batching: requests that join a running batch between decode steps (prompts longer and
+    shorter than its cache, other versions and models, prompt scores asked) get the same tokens and logprobs
+    as alone, and each result is handed back as soon as its rows are done, before the batch ends."""
+    a, b = new_model(rt, seed=1), new_model(rt, seed=2)
+    rl_step(rt, a, 0, lr=0.2)
+
+    def req(model, version, prompt, max_tokens, **extra):
+        return SampleRequest(model_id=model, prompt_tokens=prompt, weights_version=version,
+                             sampling_params=SamplingParams(max_tokens=max_tokens, seed=7, stop=[]), **extra)
+
+    every = {"long": req(a, 1, PROMPT, 12), "short": req(b, 0, PROMPT[:2], 3, num_samples=2),
+             "wide": req(a, 0, PROMPT * 3, 6, prompt_logprobs=True, topk_prompt_logprobs=2),
+             "narrow": req(b, 0, [9], 4), "bad_token": req(a, 0, [5, 10**6], 8)}
+    joiners = [[], ["wide"], [], ["narrow", "bad_token"]]  # what each call of admit finds queued
+    done_order, results = [], {}
+
+    def admit(accept):
+        return [(key, every[key]) for key in (joiners.pop(0) if joiners else []) if accept(every[key])]
+
+    def done(key, result):
+        done_order.append(key)
+        results[key] = result
+
+    rt.sample_stream([("long", every["long"]), ("short", every["short"])], done, admit)
+    assert not joiners
+    assert isinstance(results.pop("bad_token"), ErrorResponse)
+    assert done_order.index("short") < done_order.index("long")  # handed back while "long" still ran
+    assert set(results) == set(every) - {"bad_token"}
+    for key, joined in results.items():
+        (alone,) = rt.sample([every[key]])
+        assert joined.weights_version == every[key].weights_version, key
+        assert [s.tokens for s in joined.sequences] == [s.tokens for s in alone.sequences], key
+        for s, t in zip(joined.sequences, alone.sequences):
+            assert max_diff(s.logprobs, t.logprobs) < TOLERANCE, key
+        if key == "wide":
+            assert max_diff(joined.prompt_logprobs[1:], alone.prompt_logprobs[1:]) < TOLERANCE
+            assert joined.topk_prompt_logprobs == alone.topk_prompt_logprobs

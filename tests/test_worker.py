@@ -85,6 +85,43 @@ def test_samples_between_barriers_reach_the_engine_as_one_batch(r, producer, con
     assert r.llen(keys.inflight_key(keys.shard_of(M, 4))) == 0
 
 
+def drain_while(r, config, tmp_path, submit_meanwhile, **runtime) -> None:
+    """Drain, and call `submit_meanwhile` from another thread while the first job runs (RQ's worker wants the
+    main thread, for its signal handlers)."""
+    submitter = threading.Timer(1.0, submit_meanwhile)
+    submitter.start()
+    drain(r, config, tmp_path, **runtime)
+    submitter.join()
+
+
+def summary(r, ticket) -> dict:
+    return Job.fetch(ticket.request_id, connection=r, serializer="json").return_value()
+
+
+def test_samples_that_arrive_while_a_batch_runs_join_it_but_never_overtake_a_queued_job(r, producer, config, tmp_path):
+    import faulty_runtime
+
+    create(producer)
+    stall = sample(producer, prompt=[faulty_runtime.STALL])  # its engine call takes 3 s
+    joined = []
+    drain_while(r, config, tmp_path, lambda: joined.append(sample(producer)), runtime="faulty_runtime:make")
+    assert summary(r, stall)["batch"] == 2  # the late sample was served in the stalled job's run
+    assert summary(r, joined[0])["batched"] is True
+    assert isinstance(result(producer, joined[0]), SampleOutput)
+
+    # a fresh worker (state is in memory): two new models on one shard
+    first, second = [m for m in (f"m{i}:train:0" for i in range(100))
+                     if keys.shard_of(m, config.num_shards) == keys.shard_of(M, config.num_shards)][:2]
+    create(producer, first)
+    stall = sample(producer, first, prompt=[faulty_runtime.STALL])
+    queued = []
+    drain_while(r, config, tmp_path, lambda: queued.extend([create(producer, second), sample(producer, first)]),
+                runtime="faulty_runtime:make")
+    assert summary(r, stall)["batch"] == 1  # another model's job was queued first: the sample waited for it
+    assert isinstance(result(producer, queued[1]), SampleOutput)
+    assert summary(r, queued[1]) == {"request_id": queued[1].request_id, "type": "sample", "batch": 1}
+
+
 def test_a_crash_mid_batch_puts_the_claimed_samples_back_at_the_front_in_order(r, producer, config, tmp_path):
     from worker.batching import Batcher
     from worker.recovery import recover

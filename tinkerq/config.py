@@ -20,6 +20,9 @@ class QueueConfig(BaseSettings):
     # An early training op waits this long for its seq_id gap to fill.
     seq_gap_timeout_s: float = Field(120.0, gt=0)
     max_batch_requests: int = Field(256, ge=1)
+    # Samples that arrive while a batch runs join it (continuous batching) for this long; then the batch
+    # drains, and the next job in the shard queue gets its turn.
+    batch_admit_s: float = Field(30.0, ge=0)
     tick_s: int = Field(1, ge=1, description="worker idle loop period (seconds)")
 
 

@@ -1,14 +1,18 @@
-"""Gather the samples that may share one engine call with the sample being run.
+"""Gather the samples that may share one engine run with the sample being run.
 
 RQ pops one job at a time. Samples of a model between two of its barriers all see the same
 weights, so the worker looks ahead in its shard queue and takes, together with the job at hand,
-every queued sample whose model has no non-sample job (sync, training op) ahead of it. The taken
-jobs move atomically from the queue to the shard's in-flight list (so a crash loses none: recovery
-puts them back at the front), are served in one engine call, and are marked finished in RQ in
-one pipeline; on an exception they go back to the head of the queue and are retried one by one.
+every queued sample whose model has no non-sample job (sync, training op) ahead of it. While the
+engine runs, samples that arrive join it (continuous batching) as long as no non-sample job of any
+model is queued ahead of them, so a sync or training op waits at most for the running batch to drain.
+The taken jobs move atomically from the queue to the shard's in-flight list (so a crash loses none:
+recovery puts them back at the front), and each is marked finished in RQ when its result is stored;
+on an exception the unfinished ones go back to the head of the queue and are retried one by one.
 """
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from redis import Redis
@@ -49,16 +53,18 @@ class Batcher:
         self.rq_result_ttl_s = rq_result_ttl_s
         self._claim = connection.register_script(_CLAIM)
 
-    def claim(self, queue_key: str, shard: int, limit: int) -> list[Claimed]:
-        """Take up to `limit` queued samples that may be served now, in queue order."""
+    def claim(self, queue_key: str, shard: int, limit: int, accept: Callable[[SampleRequest], bool] | None = None,
+              before_any_barrier: bool = False) -> list[Claimed]:
+        """Take up to `limit` queued samples that may be served now (and that `accept` takes), in queue order;
+        with `before_any_barrier`, only those ahead of every queued non-sample job."""
         if limit <= 0:
             return []
-        candidates = self._servable_ids(queue_key, limit)
-        loaded = {c.request_id: c for c in _load(self.connection, candidates)}
+        candidates = self._servable_ids(queue_key, limit, before_any_barrier)
+        loaded = {c.request_id: c for c in _load(self.connection, candidates) if accept is None or accept(c.request)}
         moved = self._claim(keys=[queue_key, keys.inflight_key(shard)], args=list(loaded)) if loaded else []
         return [loaded[rid.decode()] for rid in moved]
 
-    def _servable_ids(self, queue_key: str, limit: int) -> list[str]:
+    def _servable_ids(self, queue_key: str, limit: int, before_any_barrier: bool) -> list[str]:
         ids = [i.decode() for i in self.connection.lrange(queue_key, 0, 2 * limit - 1)]
         if not ids:
             return []
@@ -72,12 +78,17 @@ class Batcher:
             if kind is None:
                 continue  # no record (malformed or foreign job): it gets its own error when popped
             if kind != b"sample":
+                if before_any_barrier:
+                    break
                 blocked.add(model)
             elif model not in blocked:
                 picked.append(rid)
                 if len(picked) == limit:
                     break
         return picked
+
+    def is_empty(self, queue_key: str) -> bool:
+        return not self.connection.llen(queue_key)
 
     def finish(self, shard: int, claimed: list[Claimed], worker_name: str | None) -> None:
         """Mark served jobs FINISHED in RQ (for the dashboard) and drop them from the in-flight list."""
@@ -104,6 +115,45 @@ class Batcher:
                 pipe.lrem(keys.inflight_key(shard), 1, item.request_id)
                 pipe.lpush(queue_key, item.request_id)
             pipe.execute()
+
+
+class EngineRun:
+    """The samples one engine run serves: the job at hand, those claimed with it, and those admitted while it
+    runs (for `admit_s` at most, so that a stream of samples cannot hold the shard for ever)."""
+
+    def __init__(self, batcher: Batcher, queue_key: str, shard: int, max_requests: int, admit_s: float) -> None:
+        self.batcher, self.queue_key, self.shard = batcher, queue_key, shard
+        self.max_requests = max_requests
+        self.admit_until = time.monotonic() + admit_s
+        self.models: dict[str, str] = {}  # request id -> model id, of every request served
+        self.unfinished: dict[str, Claimed] = {}
+
+    def start(self, request_id: str, request: SampleRequest) -> list[tuple[str, SampleRequest]]:
+        self.models[request_id] = request.model_id
+        return [(request_id, request)] + self._take(self.batcher.claim(self.queue_key, self.shard,
+                                                                        self.max_requests - 1))
+
+    def admit(self, accept: Callable[[SampleRequest], bool]) -> list[tuple[str, SampleRequest]]:
+        room = self.max_requests - len(self.unfinished) - 1
+        if room <= 0 or time.monotonic() > self.admit_until or self.batcher.is_empty(self.queue_key):
+            return []
+        return self._take(self.batcher.claim(self.queue_key, self.shard, room, accept, before_any_barrier=True))
+
+    def finished(self, request_id: str, worker_name: str | None) -> None:
+        """The request's result is stored: mark its RQ job finished (the job at hand is RQ's own to finish)."""
+        claimed = self.unfinished.pop(request_id, None)
+        if claimed is not None:
+            self.batcher.finish(self.shard, [claimed], worker_name)
+
+    def release(self) -> None:
+        """After a failure: put back what was taken and not served."""
+        self.batcher.release(self.queue_key, self.shard, list(self.unfinished.values()))
+
+    def _take(self, claimed: list[Claimed]) -> list[tuple[str, SampleRequest]]:
+        for item in claimed:
+            self.unfinished[item.request_id] = item
+            self.models[item.request_id] = item.request.model_id
+        return [(item.request_id, item.request) for item in claimed]
 
 
 def _load(connection: Redis, ids: list[str]) -> list[Claimed]:

@@ -115,18 +115,19 @@ class Dispatcher:
             self.fence.hset(shard, keys.model_key(result.model_id, "snapshots"), str(result.version), result.path)
 
     def _sample(self, job: Job, shard: int, rid: str, request: SampleRequest) -> dict[str, Any]:
-        queue_key = Queue.redis_queue_namespace_prefix + job.origin
-        claimed = self.batcher.claim(queue_key, shard, self.config.max_batch_requests - 1)
-        batch = [(rid, request)] + [(c.request_id, c.request) for c in claimed]
+        run = batching.EngineRun(self.batcher, Queue.redis_queue_namespace_prefix + job.origin, shard,
+                                 self.config.max_batch_requests, self.config.batch_admit_s)
+
+        def done(each_rid: str, result: Result) -> None:
+            self.finish(shard, each_rid, self._state_lost(run.models[each_rid], result))
+            run.finished(each_rid, job.worker_name)
+
         try:
-            results = self.runtime.sample([each for _, each in batch])
+            self.runtime.sample_stream(run.start(rid, request), done, run.admit)
         except BaseException:
-            self.batcher.release(queue_key, shard, claimed)  # each will be retried on its own
+            run.release()  # each will be retried on its own
             raise
-        for (each_rid, each), result in zip(batch, results, strict=True):
-            self.finish(shard, each_rid, self._state_lost(each.model_id, result))
-        self.batcher.finish(shard, claimed, job.worker_name)
-        return {"request_id": rid, "type": "sample", "batch": 1 + len(claimed)}
+        return {"request_id": rid, "type": "sample", "batch": len(run.models)}
 
     def _state_lost(self, model_id: str, result: Result) -> Result:
         """`unknown_model` for a model that Redis knows was created: its state lived in the memory of a worker

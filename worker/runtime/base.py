@@ -1,6 +1,7 @@
 """The two interfaces a runtime is built from. PyTorch, vLLM and the reference model implement them."""
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 from schemas import (
@@ -43,6 +44,12 @@ def check_fits(request: SampleRequest, context: int, vocab: int) -> None:
         raise DomainError(400, "invalid_token", f"prompt token {bad[0]} is outside the vocabulary ({vocab})")
 
 
+Keyed = list[tuple[str, SampleRequest]]  # requests with the key their result is handed back under
+Done = Callable[[str, "SampleOutput | ErrorResponse"], None]
+# More queued requests for a running batch, only those the predicate accepts ([] when there are none).
+Admit = Callable[[Callable[[SampleRequest], bool]], Keyed]
+
+
 class Engine(ABC):
     """Batched generation over weight snapshots addressed by (model id, version)."""
 
@@ -62,6 +69,15 @@ class Engine(ABC):
     def generate(self, requests: list[SampleRequest]) -> list[SampleOutput | ErrorResponse]:
         """Serve every request from its own `weights_version`, all in one batch where possible.
         A request the engine cannot serve (too long for the context, ...) gets its own error."""
+
+    def generate_stream(self, items: Keyed, done: Done, admit: Admit | None = None) -> None:
+        """Serve `items`, handing each result to `done` once it is ready, and the requests that `admit` returns
+        while serving. This default runs batch after batch: the items, then what `admit` returns, until it
+        returns nothing. An engine that decodes step by step admits between steps (continuous batching)."""
+        while items:
+            for (key, _), result in zip(items, self.generate([r for _, r in items]), strict=True):
+                done(key, result)
+            items = admit(lambda request: True) if admit else []
 
     def check_create(self, request: CreateModelRequest) -> None:  # noqa: B027 - optional
         """Raise DomainError if this engine could not serve the model (called before the trainer builds it)."""

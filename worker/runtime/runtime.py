@@ -15,7 +15,7 @@ from schemas import (
     WeightSyncOutput,
     WeightSyncRequest,
 )
-from worker.runtime.base import DomainError, Engine, Trainer, unknown_model
+from worker.runtime.base import Admit, Done, DomainError, Engine, Keyed, Trainer, unknown_model
 
 
 class Runtime:
@@ -86,16 +86,25 @@ class Runtime:
 
     def sample(self, requests: list[SampleRequest]) -> list[SampleOutput | ErrorResponse]:
         """Serve a batch; each request gets its own output or its own error, in order."""
-        results: list[SampleOutput | ErrorResponse | None] = []
-        servable: list[SampleRequest] = []
-        for request in requests:
-            try:
-                servable.append(self._pin(request))
-                results.append(None)
-            except DomainError as exc:
-                results.append(exc.response())
-        outputs = iter(self.engine.generate(servable) if servable else [])
-        return [next(outputs) if result is None else result for result in results]
+        results: dict[str, SampleOutput | ErrorResponse] = {}
+        self.sample_stream([(str(i), r) for i, r in enumerate(requests)], results.__setitem__)
+        return [results[str(i)] for i in range(len(requests))]
+
+    def sample_stream(self, items: Keyed, done: Done, admit: Admit | None = None) -> None:
+        """Serve `items` and what `admit` returns while they run; each request's output or error goes to
+        `done` as soon as it is ready."""
+        def pinned(admitted: Keyed) -> Keyed:
+            servable = []
+            for key, request in admitted:
+                try:
+                    servable.append((key, self._pin(request)))
+                except DomainError as exc:
+                    done(key, exc.response())
+            return servable
+
+        first = pinned(items)
+        if first:
+            self.engine.generate_stream(first, done, (lambda accept: pinned(admit(accept))) if admit else None)
 
     def _pin(self, request: SampleRequest) -> SampleRequest:
         """The request with the snapshot it will be served from, or DomainError if it is not held."""

@@ -4,10 +4,10 @@ import secrets
 from collections import OrderedDict, defaultdict
 
 from schemas import ErrorResponse, GeneratedSequence, SampleOutput, SampleRequest, TopkLogprobs
-from worker.runtime.base import DomainError, Engine, check_fits
+from worker.runtime.base import Admit, Done, DomainError, Engine, Keyed, check_fits
 from worker.torch_runtime.bases import BaseModels, LoadedBase, adapter_name
 from worker.torch_runtime.lora_io import LoraWeights, import_adapter
-from worker.torch_runtime.sampler import PromptScores, Row, Sampler
+from worker.torch_runtime.sampler import Row, Sampler
 
 
 class TorchEngine(Engine):
@@ -41,45 +41,67 @@ class TorchEngine(Engine):
             base.delete_adapter(name)
 
     def generate(self, requests: list[SampleRequest]) -> list[SampleOutput | ErrorResponse]:
-        results: list[SampleOutput | ErrorResponse | None] = [None] * len(requests)
-        groups: dict[str, list[int]] = defaultdict(list)
-        for i, request in enumerate(requests):
-            try:
-                self._check(request)
-                groups[self.base_of[request.model_id].name].append(i)
-            except DomainError as exc:
-                results[i] = exc.response()
-        for indices in groups.values():
-            for i, output in zip(indices, self._generate_group([requests[i] for i in indices])):
-                results[i] = output
-        return results
+        results: dict[str, SampleOutput | ErrorResponse] = {}
+        self.generate_stream([(str(i), r) for i, r in enumerate(requests)], results.__setitem__)
+        return [results[str(i)] for i in range(len(requests))]
+
+    def generate_stream(self, items: Keyed, done: Done, admit: Admit | None = None) -> None:
+        """One continuous batch per base model: requests for that base that `admit` finds while it decodes
+        join it between steps, and each request's output goes to `done` as soon as its rows are finished."""
+        groups: dict[str, Keyed] = defaultdict(list)
+        for key, request in items:
+            groups[self.base_of[request.model_id].name].append((key, request))
+        for group in groups.values():
+            self._run(self.base_of[group[0][1].model_id], group, done, admit)
+
+    def _run(self, base: LoadedBase, items: Keyed, done: Done, admit: Admit | None) -> None:
+        running: dict[str, tuple[SampleRequest, list[Row]]] = {}
+
+        def rows_of(admitted: Keyed) -> list[Row]:
+            rows = []
+            for key, request in admitted:
+                try:
+                    self._check(request)
+                except DomainError as exc:
+                    done(key, exc.response())
+                    continue
+                mine = self._rows(key, request)
+                running[key] = (request, mine)
+                rows += mine
+            return rows
+
+        def finished(rows: list[Row]) -> None:
+            for key in dict.fromkeys(row.owner for row in rows):
+                request, mine = running[key]
+                if all(row.stop_reason is not None for row in mine):
+                    del running[key]
+                    done(key, self._output(request, mine))
+
+        def more() -> list[Row]:
+            return rows_of(admit(lambda request: self.base_of.get(request.model_id) is base)) if admit else []
+
+        rows = rows_of(items)
+        if rows:
+            Sampler(base.model, base.tokenizer, base.device).run(rows, more, finished)
 
     def _check(self, request: SampleRequest) -> None:
         base = self.base_of[request.model_id]
         check_fits(request, base.model.config.max_position_embeddings, base.vocab_size)
 
-    def _generate_group(self, requests: list[SampleRequest]) -> list[SampleOutput]:
-        base = self.base_of[requests[0].model_id]
-        rows, owners = [], []
-        for j, request in enumerate(requests):
-            seed = request.sampling_params.seed
-            if seed is None:
-                seed = secrets.randbits(62)
-            adapter = self.snapshots[request.model_id][request.weights_version]
-            for k in range(request.num_samples):  # sample k of a seeded request always gets seed + k
-                rows.append(Row(request.prompt_tokens, adapter, request.sampling_params, seed + k))
-                owners.append(j)
-        topk = max(r.topk_prompt_logprobs for r in requests)
-        want_scores = any(r.prompt_logprobs or r.topk_prompt_logprobs for r in requests)
-        scores = Sampler(base.model, base.tokenizer, base.device).generate(rows, topk, want_scores)
-        outputs = []
-        for j, request in enumerate(requests):
-            mine = [i for i, owner in enumerate(owners) if owner == j]
-            outputs.append(self._output(request, [rows[i] for i in mine], scores[mine[0]]))
-        return outputs
+    def _rows(self, key: str, request: SampleRequest) -> list[Row]:
+        seed = request.sampling_params.seed
+        if seed is None:
+            seed = secrets.randbits(62)
+        adapter = self.snapshots[request.model_id][request.weights_version]
+        want_scores = request.prompt_logprobs or request.topk_prompt_logprobs > 0
+        # sample k of a seeded request always gets seed + k; the prompt is scored once, on the first
+        return [Row(request.prompt_tokens, adapter, request.sampling_params, seed + k, owner=key,
+                    want_prompt_scores=want_scores and k == 0, topk=request.topk_prompt_logprobs)
+                for k in range(request.num_samples)]
 
     @staticmethod
-    def _output(request: SampleRequest, rows: list[Row], scores: PromptScores | None) -> SampleOutput:
+    def _output(request: SampleRequest, rows: list[Row]) -> SampleOutput:
+        scores = rows[0].scores
         sequences = [GeneratedSequence(tokens=r.tokens, logprobs=r.logprobs, stop_reason=r.stop_reason) for r in rows]
         topk = None
         if scores is not None and request.topk_prompt_logprobs:

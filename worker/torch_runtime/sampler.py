@@ -5,6 +5,7 @@ exactly what the trainer's `forward` computes for the same tokens; temperature, 
 only shape the distribution tokens are drawn from.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -18,9 +19,13 @@ class Row:
     adapter: str
     params: SamplingParams
     seed: int
+    owner: str = ""  # the request the row samples for
+    want_prompt_scores: bool = False
+    topk: int = 0  # prompt top-k alternatives, with the scores
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str | None = None
+    scores: "PromptScores | None" = None
 
 
 @dataclass
@@ -66,6 +71,56 @@ def _nucleus(scaled: torch.Tensor, rows: list["Row"]) -> torch.Tensor:
     return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
 
 
+@dataclass
+class _Decoding:
+    """The rows being decoded together, with their KV cache: row i owns index i of every tensor."""
+
+    rows: list[Row]
+    generators: list[torch.Generator]
+    stops: list[set[int]]
+    cache: object  # transformers' DynamicCache
+    mask: torch.Tensor  # [rows, cache length]
+    last_pos: torch.Tensor  # [rows]
+    logits: torch.Tensor  # [rows, vocab]: the next token's distribution
+
+    def keep(self, indices: list[int]) -> None:
+        index = torch.tensor(indices, dtype=torch.long, device=self.mask.device)
+        self.rows = [self.rows[i] for i in indices]
+        self.generators = [self.generators[i] for i in indices]
+        self.stops = [self.stops[i] for i in indices]
+        self.mask, self.last_pos, self.logits = self.mask[index], self.last_pos[index], self.logits[index]
+        # columns that only departed rows used (padding for everyone left) are dropped
+        start = int(self.mask.any(dim=0).int().argmax()) if len(indices) else 0
+        self.mask = self.mask[:, start:]
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[index, :, start:], layer.values[index, :, start:]
+
+    def join(self, other: "_Decoding") -> None:
+        """Append another batch's rows; the shorter cache is left-padded (masked out) to the longer one."""
+        if not self.rows:
+            self.__dict__.update(other.__dict__)
+            return
+        width = max(self.mask.shape[1], other.mask.shape[1])
+        self.rows += other.rows
+        self.generators += other.generators
+        self.stops += other.stops
+        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            mine.keys = torch.cat([_left_pad(mine.keys, width, -2), _left_pad(theirs.keys, width, -2)])
+            mine.values = torch.cat([_left_pad(mine.values, width, -2), _left_pad(theirs.values, width, -2)])
+        self.mask = torch.cat([_left_pad(self.mask, width, -1), _left_pad(other.mask, width, -1)])
+        self.last_pos = torch.cat([self.last_pos, other.last_pos])
+        self.logits = torch.cat([self.logits, other.logits])
+
+
+def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    missing = width - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
 class Sampler:
     def __init__(self, model: torch.nn.Module, tokenizer, device: torch.device) -> None:
         self.model = model
@@ -74,9 +129,27 @@ class Sampler:
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
+    def generate(self, rows: list[Row]) -> None:
+        """Fill each row's tokens, logprobs, stop_reason and (if it asks) prompt scores, in place."""
+        self.run(rows, admit=lambda: [], finished=lambda done: None)
+
     @torch.inference_mode()
-    def generate(self, rows: list[Row], topk: int = 0, want_prompt_scores: bool = False) -> list[PromptScores | None]:
-        """Fill each row's tokens/logprobs/stop_reason in place; return prompt scores if asked."""
+    def run(self, rows: list[Row], admit: Callable[[], list[Row]], finished: Callable[[list[Row]], None]) -> None:
+        """Continuous batching: decode `rows` step by step; between steps, hand the rows that are done to
+        `finished` and prefill the rows `admit` returns into the running batch, until no row is left."""
+        batch = self._prefill(rows)
+        while batch.rows:
+            self._step_tokens(batch)
+            if any(row.stop_reason is not None for row in batch.rows):
+                finished([row for row in batch.rows if row.stop_reason is not None])
+                batch.keep([i for i, row in enumerate(batch.rows) if row.stop_reason is None])
+            if batch.rows:
+                self._decode(batch)
+            joining = admit()
+            if joining:
+                batch.join(self._prefill(joining))
+
+    def _prefill(self, rows: list[Row]) -> _Decoding:
         width = max(len(r.prompt) for r in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -84,30 +157,33 @@ class Sampler:
             ids[i, width - len(row.prompt):] = torch.tensor(row.prompt)  # left padding
             mask[i, width - len(row.prompt):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        adapters = [r.adapter for r in rows]
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, adapter_names=adapters,
-                         use_cache=True, logits_to_keep=0 if want_prompt_scores else 1)
-        scores = self._prompt_scores(rows, out.logits, width, topk) if want_prompt_scores else [None] * len(rows)
-        logits = out.logits[:, -1].float()
-        cache, last_pos = out.past_key_values, positions[:, -1]
+        want_scores = any(r.want_prompt_scores for r in rows)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         adapter_names=[r.adapter for r in rows], use_cache=True,
+                         logits_to_keep=0 if want_scores else 1)
+        if want_scores:
+            self._prompt_scores(rows, out.logits, width)
         generators = [torch.Generator(device=self.device).manual_seed(r.seed) for r in rows]
-        stops = [_stop_ids(r.params, self.eos_id) for r in rows]
-        for step in range(max(r.params.max_tokens for r in rows)):
-            next_ids = draw(logits, rows, generators)
-            chosen = torch.log_softmax(logits, dim=-1).gather(-1, next_ids[:, None])[:, 0]
-            for row, token, logprob, stop_ids in zip(rows, next_ids.tolist(), chosen.tolist(), stops):
-                if row.stop_reason is None:
-                    self._append(row, token, logprob, stop_ids)
-            if all(r.stop_reason is not None for r in rows):
-                break
-            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long, device=self.device)], dim=1)
-            last_pos = last_pos + 1
-            out = self.model(input_ids=next_ids[:, None], attention_mask=mask,
-                             position_ids=last_pos[:, None], past_key_values=cache, adapter_names=adapters,
-                             use_cache=True)
-            cache, logits = out.past_key_values, out.logits[:, -1].float()
-        return scores
+        return _Decoding(rows, generators, [_stop_ids(r.params, self.eos_id) for r in rows], out.past_key_values,
+                         mask, positions[:, -1], out.logits[:, -1].float())
+
+    def _step_tokens(self, batch: _Decoding) -> None:
+        """Draw every row's next token and append it (which may end the row)."""
+        next_ids = draw(batch.logits, batch.rows, batch.generators)
+        chosen = torch.log_softmax(batch.logits, dim=-1).gather(-1, next_ids[:, None])[:, 0]
+        for row, token, logprob, stop_ids in zip(batch.rows, next_ids.tolist(), chosen.tolist(), batch.stops):
+            self._append(row, token, logprob, stop_ids)
+
+    def _decode(self, batch: _Decoding) -> None:
+        """One forward step over the rows still running, feeding each its last token."""
+        last = torch.tensor([row.tokens[-1] for row in batch.rows], dtype=torch.long, device=self.device)
+        ones = torch.ones((len(batch.rows), 1), dtype=torch.long, device=self.device)
+        batch.mask = torch.cat([batch.mask, ones], dim=1)
+        batch.last_pos = batch.last_pos + 1
+        out = self.model(input_ids=last[:, None], attention_mask=batch.mask, position_ids=batch.last_pos[:, None],
+                         past_key_values=batch.cache, adapter_names=[r.adapter for r in batch.rows], use_cache=True)
+        batch.cache, batch.logits = out.past_key_values, out.logits[:, -1].float()
 
     def _append(self, row: Row, token: int, logprob: float, stop_ids: set[int]) -> None:
         row.tokens.append(token)
@@ -122,19 +198,19 @@ class Sampler:
             row.stop_reason = "length"
 
     @staticmethod
-    def _prompt_scores(rows: list[Row], logits: torch.Tensor, width: int, topk: int) -> list[PromptScores]:
+    def _prompt_scores(rows: list[Row], logits: torch.Tensor, width: int) -> None:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
-        scores = []
         for i, row in enumerate(rows):
+            if not row.want_prompt_scores:
+                continue
             start = width - len(row.prompt)
             # position j of the prompt is predicted by the logits at j - 1; position 0 has no context
             predicting = logprobs[i, start: width - 1]
             targets = torch.tensor(row.prompt[1:], device=logprobs.device)
             values: list[float | None] = [None] + predicting.gather(-1, targets[:, None])[:, 0].tolist()
             ids, lps = [[]], [[]]
-            if topk > 0:
-                top = torch.topk(predicting, topk, dim=-1)
+            if row.topk > 0:
+                top = torch.topk(predicting, row.topk, dim=-1)
                 ids += top.indices.tolist()
                 lps += top.values.tolist()
-            scores.append(PromptScores(values, ids, lps))
-        return scores
+            row.scores = PromptScores(values, ids, lps)
