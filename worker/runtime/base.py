@@ -45,9 +45,16 @@ def check_fits(request: SampleRequest, context: int, vocab: int) -> None:
 
 
 Keyed = list[tuple[str, SampleRequest]]  # requests with the key their result is handed back under
-Done = Callable[[str, "SampleOutput | ErrorResponse"], None]
+Done = Callable[[str, SampleOutput | ErrorResponse], None]
 # More queued requests for a running batch, only those the predicate accepts ([] when there are none).
 Admit = Callable[[Callable[[SampleRequest], bool]], Keyed]
+
+
+def in_order(serve: Callable[[Keyed, Done], None], requests: list[SampleRequest]) -> list[SampleOutput | ErrorResponse]:
+    """The results of a streaming `serve` over `requests`, as a list in their order."""
+    results: dict[str, SampleOutput | ErrorResponse] = {}
+    serve([(str(i), r) for i, r in enumerate(requests)], results.__setitem__)
+    return [results[str(i)] for i in range(len(requests))]
 
 
 class Engine(ABC):

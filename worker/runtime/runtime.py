@@ -15,7 +15,7 @@ from schemas import (
     WeightSyncOutput,
     WeightSyncRequest,
 )
-from worker.runtime.base import Admit, Done, DomainError, Engine, Keyed, Trainer, unknown_model
+from worker.runtime.base import Admit, Done, DomainError, Engine, Keyed, Trainer, in_order, unknown_model
 
 
 class Runtime:
@@ -86,9 +86,7 @@ class Runtime:
 
     def sample(self, requests: list[SampleRequest]) -> list[SampleOutput | ErrorResponse]:
         """Serve a batch; each request gets its own output or its own error, in order."""
-        results: dict[str, SampleOutput | ErrorResponse] = {}
-        self.sample_stream([(str(i), r) for i, r in enumerate(requests)], results.__setitem__)
-        return [results[str(i)] for i in range(len(requests))]
+        return in_order(self.sample_stream, requests)
 
     def sample_stream(self, items: Keyed, done: Done, admit: Admit | None = None) -> None:
         """Serve `items` and what `admit` returns while they run; each request's output or error goes to

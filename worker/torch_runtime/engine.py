@@ -4,7 +4,7 @@ import secrets
 from collections import OrderedDict, defaultdict
 
 from schemas import ErrorResponse, GeneratedSequence, SampleOutput, SampleRequest, TopkLogprobs
-from worker.runtime.base import Admit, Done, DomainError, Engine, Keyed, check_fits
+from worker.runtime.base import Admit, Done, DomainError, Engine, Keyed, check_fits, in_order
 from worker.torch_runtime.bases import BaseModels, LoadedBase, adapter_name
 from worker.torch_runtime.lora_io import LoraWeights, import_adapter
 from worker.torch_runtime.sampler import Row, Sampler
@@ -41,9 +41,7 @@ class TorchEngine(Engine):
             base.delete_adapter(name)
 
     def generate(self, requests: list[SampleRequest]) -> list[SampleOutput | ErrorResponse]:
-        results: dict[str, SampleOutput | ErrorResponse] = {}
-        self.generate_stream([(str(i), r) for i, r in enumerate(requests)], results.__setitem__)
-        return [results[str(i)] for i in range(len(requests))]
+        return in_order(self.generate_stream, requests)
 
     def generate_stream(self, items: Keyed, done: Done, admit: Admit | None = None) -> None:
         """One continuous batch per base model: requests for that base that `admit` finds while it decodes
