@@ -307,8 +307,9 @@ def test_requests_admitted_mid_decode_sample_exactly_what_they_would_alone(rt):
 
     every = {"long": req(a, 1, PROMPT, 12), "short": req(b, 0, PROMPT[:2], 3, num_samples=2),
              "wide": req(a, 0, PROMPT * 3, 6, prompt_logprobs=True, topk_prompt_logprobs=2),
-             "narrow": req(b, 0, [9], 4), "bad_token": req(a, 0, [5, 10**6], 8)}
-    joiners = [[], ["wide"], [], ["narrow", "bad_token"]]  # what each call of admit finds queued
+             "narrow": req(b, 0, [9], 4), "bad_token": req(a, 0, [5, 10**6], 8), "late": req(b, 0, PROMPT, 5)}
+    # what each call of admit (one after each decode step) finds queued; "late" comes once all else is done
+    joiners = [[], ["wide"], [], ["narrow", "bad_token"]] + [[]] * 7 + [["late"]]
     done_order, results = [], {}
 
     def admit(accept):
@@ -322,6 +323,7 @@ def test_requests_admitted_mid_decode_sample_exactly_what_they_would_alone(rt):
     assert not joiners
     assert isinstance(results.pop("bad_token"), ErrorResponse)
     assert done_order.index("short") < done_order.index("long")  # handed back while "long" still ran
+    assert done_order[-2:] == ["long", "late"]
     assert set(results) == set(every) - {"bad_token"}
     for key, joined in results.items():
         (alone,) = rt.sample([every[key]])

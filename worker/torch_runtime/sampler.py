@@ -97,9 +97,6 @@ class _Decoding:
 
     def join(self, other: "_Decoding") -> None:
         """Append another batch's rows; the shorter cache is left-padded (masked out) to the longer one."""
-        if not self.rows:
-            self.__dict__.update(other.__dict__)
-            return
         width = max(self.mask.shape[1], other.mask.shape[1])
         self.rows += other.rows
         self.generators += other.generators
@@ -146,8 +143,10 @@ class Sampler:
             if batch.rows:
                 self._decode(batch)
             joining = admit()
-            if joining:
+            if joining and batch.rows:
                 batch.join(self._prefill(joining))
+            elif joining:
+                batch = self._prefill(joining)
 
     def _prefill(self, rows: list[Row]) -> _Decoding:
         width = max(len(r.prompt) for r in rows)
