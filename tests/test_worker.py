@@ -122,6 +122,24 @@ def test_samples_that_arrive_while_a_batch_runs_join_it_but_never_overtake_a_que
     assert summary(r, queued[1]) == {"request_id": queued[1].request_id, "type": "sample", "batch": 1}
 
 
+def test_an_engine_crash_after_admitting_samples_puts_them_back_and_each_gets_one_result(r, producer, config,
+                                                                                        tmp_path):
+    import faulty_runtime
+
+    create(producer)
+    stall = sample(producer, prompt=[faulty_runtime.STALL])
+    late = []
+    drain_while(r, config, tmp_path, lambda: late.extend([sample(producer, prompt=[faulty_runtime.EXPLODE]),
+                                                           sample(producer)]), runtime="faulty_runtime:make")
+    assert isinstance(result(producer, stall), SampleOutput)  # stored before the admitted batch exploded
+    assert Job.fetch(stall.request_id, connection=r, serializer="json").get_status() == JobStatus.FINISHED
+    boom, fine = (result(producer, ticket) for ticket in late)
+    assert (boom.code, boom.status) == ("internal_error", 500)  # retried alone after the release, and failed
+    assert isinstance(fine, SampleOutput)
+    assert r.llen(keys.inflight_key(keys.shard_of(M, config.num_shards))) == 0
+    assert r.llen(Queue(keys.queue_name(stall.shard), connection=r).key) == 0
+
+
 def test_a_crash_mid_batch_puts_the_claimed_samples_back_at_the_front_in_order(r, producer, config, tmp_path):
     from worker.batching import Batcher
     from worker.recovery import recover

@@ -125,8 +125,9 @@ class EngineRun:
         self.batcher, self.queue_key, self.shard = batcher, queue_key, shard
         self.max_requests = max_requests
         self.admit_until = time.monotonic() + admit_s
-        self.models: dict[str, str] = {}  # request id -> model id, of every request served
+        self.models: dict[str, str] = {}  # request id -> model id, of every request taken in
         self.unfinished: dict[str, Claimed] = {}
+        self.served: set[str] = set()
 
     def start(self, request_id: str, request: SampleRequest) -> list[tuple[str, SampleRequest]]:
         self.models[request_id] = request.model_id
@@ -141,6 +142,7 @@ class EngineRun:
 
     def finished(self, request_id: str, worker_name: str | None) -> None:
         """The request's result is stored: mark its RQ job finished (the job at hand is RQ's own to finish)."""
+        self.served.add(request_id)
         claimed = self.unfinished.pop(request_id, None)
         if claimed is not None:
             self.batcher.finish(self.shard, [claimed], worker_name)

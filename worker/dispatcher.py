@@ -124,8 +124,14 @@ class Dispatcher:
 
         try:
             self.runtime.sample_stream(run.start(rid, request), done, run.admit)
-        except BaseException:
+        except Exception:
             run.release()  # each will be retried on its own
+            if rid not in run.served:
+                raise
+            # this job's own sample was served: the failure belongs to samples it took in, now back in the queue
+            log.exception("the engine failed after %s was served; the samples it had taken in are requeued", rid)
+        except BaseException:
+            run.release()
             raise
         return {"request_id": rid, "type": "sample", "batch": len(run.models)}
 
