@@ -121,6 +121,17 @@ def test_samples_that_arrive_while_a_batch_runs_join_it_but_never_overtake_a_que
     assert isinstance(result(producer, queued[1]), SampleOutput)
     assert summary(r, queued[1]) == {"request_id": queued[1].request_id, "type": "sample", "batch": 1}
 
+    # nor a job on another shard of the same worker
+    third = next(m for m in (f"n{i}:train:0" for i in range(100)) if keys.shard_of(m, config.num_shards)
+                 != keys.shard_of(M, config.num_shards))
+    create(producer, first)
+    stall = sample(producer, first, prompt=[faulty_runtime.STALL])
+    queued = []
+    drain_while(r, config, tmp_path, lambda: queued.extend([create(producer, third), sample(producer, first)]),
+                runtime="faulty_runtime:make")
+    assert summary(r, stall)["batch"] == 1
+    assert summary(r, queued[1])["batch"] == 1
+
 
 def test_an_engine_crash_after_admitting_samples_puts_them_back_and_each_gets_one_result(r, producer, config,
                                                                                         tmp_path):

@@ -4,7 +4,8 @@ RQ pops one job at a time. Samples of a model between two of its barriers all se
 weights, so the worker looks ahead in its shard queue and takes, together with the job at hand,
 every queued sample whose model has no non-sample job (sync, training op) ahead of it. While the
 engine runs, samples that arrive join it (continuous batching) as long as no non-sample job of any
-model is queued ahead of them, so a sync or training op waits at most for the running batch to drain.
+model is queued ahead of them and the worker's other shard queues are empty, so a sync, a training op or
+another shard's job waits at most for the running batch to drain.
 The taken jobs move atomically from the queue to the shard's in-flight list (so a crash loses none:
 recovery puts them back at the front), and each is marked finished in RQ when its result is stored;
 on an exception the unfinished ones go back to the head of the queue and are retried one by one.
@@ -87,8 +88,11 @@ class Batcher:
                     break
         return picked
 
-    def is_empty(self, queue_key: str) -> bool:
-        return not self.connection.llen(queue_key)
+    def lengths(self, queue_keys: list[str]) -> list[int]:
+        with self.connection.pipeline(transaction=False) as pipe:
+            for key in queue_keys:
+                pipe.llen(key)
+            return pipe.execute()
 
     def finish(self, shard: int, claimed: list[Claimed], worker_name: str | None) -> None:
         """Mark served jobs FINISHED in RQ (for the dashboard) and drop them from the in-flight list."""
@@ -119,10 +123,13 @@ class Batcher:
 
 class EngineRun:
     """The samples one engine run serves: the job at hand, those claimed with it, and those admitted while it
-    runs (for `admit_s` at most, so that a stream of samples cannot hold the shard for ever)."""
+    runs: only while the worker's other queues (`other_queue_keys`) are empty, and for `admit_s` at most, so
+    that a stream of samples on one shard holds up no other job for long."""
 
-    def __init__(self, batcher: Batcher, queue_key: str, shard: int, max_requests: int, admit_s: float) -> None:
+    def __init__(self, batcher: Batcher, queue_key: str, shard: int, max_requests: int, admit_s: float,
+                 other_queue_keys: list[str]) -> None:
         self.batcher, self.queue_key, self.shard = batcher, queue_key, shard
+        self.other_queue_keys = other_queue_keys
         self.max_requests = max_requests
         self.admit_until = time.monotonic() + admit_s
         self.models: dict[str, str] = {}  # request id -> model id, of every request taken in
@@ -136,7 +143,10 @@ class EngineRun:
 
     def admit(self, accept: Callable[[SampleRequest], bool]) -> list[tuple[str, SampleRequest]]:
         room = self.max_requests - len(self.unfinished) - 1
-        if room <= 0 or time.monotonic() > self.admit_until or self.batcher.is_empty(self.queue_key):
+        if room <= 0 or time.monotonic() > self.admit_until:
+            return []
+        mine, *others = self.batcher.lengths([self.queue_key, *self.other_queue_keys])
+        if not mine or any(others):
             return []
         return self._take(self.batcher.claim(self.queue_key, self.shard, room, accept, before_any_barrier=True))
 

@@ -115,8 +115,9 @@ class Dispatcher:
             self.fence.hset(shard, keys.model_key(result.model_id, "snapshots"), str(result.version), result.path)
 
     def _sample(self, job: Job, shard: int, rid: str, request: SampleRequest) -> dict[str, Any]:
-        run = batching.EngineRun(self.batcher, Queue.redis_queue_namespace_prefix + job.origin, shard,
-                                 self.config.max_batch_requests, self.config.batch_admit_s)
+        others = [_queue_key(keys.queue_name(owned)) for owned in self.fence.tokens if owned != shard]
+        run = batching.EngineRun(self.batcher, _queue_key(job.origin), shard, self.config.max_batch_requests,
+                                 self.config.batch_admit_s, others)
 
         def done(each_rid: str, result: Result) -> None:
             self.finish(shard, each_rid, self._state_lost(run.models[each_rid], result))
@@ -152,6 +153,10 @@ class Dispatcher:
         if isinstance(exc, FencedOut):
             return  # the new owner will run it again
         self.fail(shard_of_queue(job.origin), job.id, classify(exc_type, exc))
+
+
+def _queue_key(name: str) -> str:
+    return Queue.redis_queue_namespace_prefix + name
 
 
 def classify(exc_type: type, exc: BaseException) -> ErrorResponse:
