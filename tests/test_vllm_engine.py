@@ -180,6 +180,35 @@ def test_mixed_batch_gives_each_row_its_own_weights(lora):
         assert max_diff(mixed.sequences[0].logprobs, single.sequences[0].logprobs) < TOLERANCE
 
 
+def test_requests_admitted_between_steps_join_the_running_batch_and_come_back_as_they_finish(lora):
+    """Continuous batching on vLLM's engine loop: requests handed in while a batch runs (another model,
+    another version, a bad one) are served in that run, each exactly as alone, and each result is handed
+    back when its own samples finish."""
+    first, second = lora.new_model(seed=11), lora.new_model(seed=12)
+    v1 = lora.train_and_sync(first, 0)
+    greedy = {"temperature": 0, "stop": []}
+    every = {"long": request(first, v1, max_tokens=24, **greedy), "short": request(second, 0, max_tokens=2, **greedy),
+             "joiner": request(second, 0, prompt=PROMPT[:3], max_tokens=4, num_samples=2, **greedy),
+             "too_hot": request(first, v1, temperature=5.0)}
+    joiners = [[], ["joiner", "too_hot"]]  # what the first two calls of admit find queued
+    order, results = [], {}
+
+    def done(key, result):
+        order.append(key)
+        results[key] = result
+
+    lora.vllm.sample_stream([("long", every["long"]), ("short", every["short"])], done,
+                            lambda accept: [(k, every[k]) for k in (joiners.pop(0) if joiners else []) if accept(every[k])])
+    assert not joiners
+    assert order[-1] == "long" and order.index("short") < order.index("joiner")
+    assert isinstance(results.pop("too_hot"), ErrorResponse)
+    for key, result in results.items():
+        (alone,) = served(lora.torch, every[key])
+        assert [q.tokens for q in result.sequences] == [q.tokens for q in alone.sequences], key
+        for ours, theirs in zip(result.sequences, alone.sequences):
+            assert max_diff(ours.logprobs, theirs.logprobs) < TOLERANCE, key
+
+
 def test_seeded_samples_repeat_and_sample_k_uses_seed_plus_k(lora):
     model = lora.new_model(seed=5)
     (three,) = served(lora.vllm, request(model, 0, num_samples=3, seed=40, temperature=1.0))

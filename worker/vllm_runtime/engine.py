@@ -9,8 +9,11 @@ Two ways to make a sync servable (`RuntimeConfig.vllm_sync`):
   and the prefix cache is reset, so no cached KV of the old weights survives. The engine then serves
   one model per base and only its latest version.
 
-Drain, then apply: `generate` runs a batch to completion before it returns, and the worker applies a
-sync only between batches, so no sample is ever in flight while weights change.
+Continuous batching: samples run on vLLM's engine loop (`add_request`, `step`), and requests the worker
+admits between steps join the running batch; each result is handed back as soon as its samples finish.
+Drain, then apply: the loop runs until no request is left before it returns, and the worker applies a
+sync only between runs (it stops admitting once a sync is queued), so no sample is ever in flight while
+weights change.
 """
 
 import importlib.util
@@ -27,7 +30,7 @@ import torch
 from schemas import CreateModelRequest, ErrorResponse, SampleOutput, SampleRequest
 from tinkerq import local_models
 from tinkerq.config import RuntimeConfig
-from worker.runtime.base import DomainError, Engine, check_fits
+from worker.runtime.base import Admit, Done, DomainError, Engine, Keyed, check_fits, in_order
 from worker.torch_runtime.bases import resolve_device
 from worker.torch_runtime.lora_io import LoraWeights, save_adapter
 from worker.vllm_runtime import merge, requests as translate
@@ -58,6 +61,7 @@ class VllmEngine(Engine):
         self.base_of: dict[str, str] = {}
         # model -> version -> its vllm LoRARequest, or None where the base weights serve it (merged, untrained)
         self.snapshots: dict[str, OrderedDict[int, Any | None]] = {}
+        self._request_ids = itertools.count()
         self.owner: dict[str, str] = {}  # merged mode: base -> the one model it serves
         self.base_weights: dict[str, dict[str, torch.Tensor]] = {}
         self._lora_ids = itertools.count(1)  # never reused: vLLM caches adapters and prefixes by id
@@ -172,22 +176,71 @@ class VllmEngine(Engine):
     # -- sampling -------------------------------------------------------------------------------
 
     def generate(self, requests: list[SampleRequest]) -> list[SampleOutput | ErrorResponse]:
-        results: list[SampleOutput | ErrorResponse | None] = [None] * len(requests)
-        calls: dict[tuple, list[int]] = defaultdict(list)
-        params: dict[int, list[Any]] = {}
-        for i, request in enumerate(requests):
-            try:
-                self._check(request)
-                params[i] = self._params(request)
-            except DomainError as exc:
-                results[i] = exc.response()
-                continue
-            calls[self._call_key(request)].append(i)
-        for (base, *_), indices in calls.items():
-            outputs = self._run(base, [requests[i] for i in indices], [params[i] for i in indices])
-            for i, output in zip(indices, outputs):
-                results[i] = output
-        return results
+        return in_order(self.generate_stream, requests)
+
+    def generate_stream(self, items: Keyed, done: Done, admit: Admit | None = None) -> None:
+        """One engine loop per call key; requests `admit` finds for the same key join it between steps."""
+        calls: dict[tuple, Keyed] = defaultdict(list)
+        for key, request in items:
+            calls[self._call_key(request)].append((key, request))
+        for call_key, group in calls.items():
+            self._run(call_key, group, done, admit)
+
+    def _run(self, call_key: tuple, items: Keyed, done: Done, admit: Admit | None) -> None:
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llms[call_key[0]].llm_engine
+        waiting: dict[str, tuple[SampleRequest, list[Any]]] = {}  # key -> request, its finished outputs
+        owners: dict[str, tuple[str, int]] = {}  # vLLM request id -> (key, sample index)
+
+        def add(admitted: Keyed) -> None:
+            for key, request in admitted:
+                try:
+                    self._check(request)
+                    samples = self._params(request)
+                except DomainError as exc:
+                    done(key, exc.response())
+                    continue
+                lora = self.snapshots[request.model_id][request.weights_version]
+                added = []
+                try:
+                    for k, params in enumerate(samples):
+                        params.output_kind = RequestOutputKind.FINAL_ONLY
+                        added.append(f"tq-{next(self._request_ids)}")
+                        owners[added[-1]] = (key, k)
+                        engine.add_request(added[-1], {"prompt_token_ids": request.prompt_tokens}, params,
+                                           lora_request=lora)
+                except (ValueError, _client_error()) as exc:
+                    engine.abort_request(added)
+                    for vllm_id in added:
+                        del owners[vllm_id]
+                    done(key, DomainError(400, "unsupported_request", f"the vLLM engine refuses it: {exc}").response())
+                    continue
+                waiting[key] = (request, [None] * len(samples))
+
+        def same_call(request: SampleRequest) -> bool:
+            return request.model_id in self.base_of and self._call_key(request) == call_key
+
+        add(items)
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        self._collect(owners.pop(output.request_id), output, waiting, done)
+                if admit is not None:
+                    add(admit(same_call))
+        except BaseException:
+            engine.abort_request(list(owners))  # nothing of this run may outlive it
+            raise
+
+    @staticmethod
+    def _collect(owner: tuple[str, int], output: Any, waiting: dict, done: Done) -> None:
+        key, k = owner
+        request, outputs = waiting[key]
+        outputs[k] = output
+        if all(o is not None for o in outputs):
+            del waiting[key]
+            done(key, translate.output(request, outputs))
 
     @staticmethod
     def _params(request: SampleRequest) -> list[Any]:
@@ -211,21 +264,6 @@ class VllmEngine(Engine):
     def _check(self, request: SampleRequest) -> None:
         model_config = self.llms[self.base_of[request.model_id]].llm_engine.model_config
         check_fits(request, model_config.max_model_len, model_config.get_vocab_size())
-
-    def _run(self, base: str, requests: list[SampleRequest], params: list[list[Any]]) -> list[SampleOutput]:
-        prompts, flat, loras, owners = [], [], [], []
-        for j, (request, samples) in enumerate(zip(requests, params)):
-            lora = self.snapshots[request.model_id][request.weights_version]
-            for sample in samples:
-                prompts.append({"prompt_token_ids": request.prompt_tokens})
-                flat.append(sample)
-                loras.append(lora)
-                owners.append(j)
-        outputs = self.llms[base].generate(prompts, flat, lora_request=loras, use_tqdm=False)
-        mine: list[list[Any]] = [[] for _ in requests]
-        for owner, output in zip(owners, outputs):
-            mine[owner].append(output)
-        return [translate.output(request, results) for request, results in zip(requests, mine)]
 
 
 def _client_error() -> type[Exception]:
