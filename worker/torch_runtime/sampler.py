@@ -1,4 +1,4 @@
-"""Batched generation with a KV cache over rows that may each use a different LoRA adapter.
+"""Continuous batched generation with a KV cache over rows that may each use a different LoRA adapter.
 
 Reported logprobs are those of the model's own distribution (temperature 1, no top-k/top-p), i.e.
 exactly what the trainer's `forward` computes for the same tokens; temperature, top-k and top-p
@@ -126,14 +126,11 @@ class Sampler:
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
-    def generate(self, rows: list[Row]) -> None:
-        """Fill each row's tokens, logprobs, stop_reason and (if it asks) prompt scores, in place."""
-        self.run(rows, admit=lambda: [], finished=lambda done: None)
-
     @torch.inference_mode()
     def run(self, rows: list[Row], admit: Callable[[], list[Row]], finished: Callable[[list[Row]], None]) -> None:
-        """Continuous batching: decode `rows` step by step; between steps, hand the rows that are done to
-        `finished` and prefill the rows `admit` returns into the running batch, until no row is left."""
+        """Continuous batching: decode `rows` step by step, filling each row's tokens, logprobs, stop_reason
+        and (if it asks) prompt scores in place; between steps, hand the rows that are done to `finished` and
+        prefill the rows `admit` returns into the running batch, until no row is left."""
         batch = self._prefill(rows)
         while batch.rows:
             self._step_tokens(batch)
