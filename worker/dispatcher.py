@@ -115,7 +115,8 @@ class Dispatcher:
             self.fence.hset(shard, keys.model_key(result.model_id, "snapshots"), str(result.version), result.path)
 
     def _sample(self, job: Job, shard: int, rid: str, request: SampleRequest) -> dict[str, Any]:
-        others = [_queue_key(keys.queue_name(owned)) for owned in self.fence.tokens if owned != shard]
+        # list() copies in one step: the lease keeper thread may take or lose a shard meanwhile
+        others = [_queue_key(keys.queue_name(owned)) for owned in list(self.fence.tokens) if owned != shard]
         run = batching.EngineRun(self.batcher, _queue_key(job.origin), shard, self.config.max_batch_requests,
                                  self.config.batch_admit_s, others)
 
