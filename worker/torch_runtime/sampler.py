@@ -83,17 +83,27 @@ class _Decoding:
     last_pos: torch.Tensor  # [rows]
     logits: torch.Tensor  # [rows, vocab]: the next token's distribution
 
+    @property
+    def mergeable(self) -> bool:
+        """Whether rows can join and the cache be trimmed: every layer is a plain full-attention cache (a
+        sliding-window layer keeps only its window, so its length is not the mask's)."""
+        from transformers.cache_utils import DynamicLayer
+
+        return all(isinstance(layer, DynamicLayer) and not layer.is_sliding for layer in self.cache.layers)
+
     def keep(self, indices: list[int]) -> None:
         index = torch.tensor(indices, dtype=torch.long, device=self.mask.device)
         self.rows = [self.rows[i] for i in indices]
         self.generators = [self.generators[i] for i in indices]
         self.stops = [self.stops[i] for i in indices]
         self.mask, self.last_pos, self.logits = self.mask[index], self.last_pos[index], self.logits[index]
-        # columns that only departed rows used (padding for everyone left) are dropped
-        start = int(self.mask.any(dim=0).int().argmax()) if len(indices) else 0
-        self.mask = self.mask[:, start:]
         for layer in self.cache.layers:
-            layer.keys, layer.values = layer.keys[index, :, start:], layer.values[index, :, start:]
+            layer.batch_select_indices(index)
+        if indices and self.mergeable:  # columns only departed rows used (padding for all left) are dropped
+            start = int(self.mask.any(dim=0).int().argmax())
+            self.mask = self.mask[:, start:]
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
 
     def join(self, other: "_Decoding") -> None:
         """Append another batch's rows; the shorter cache is left-padded (masked out) to the longer one."""
@@ -132,6 +142,7 @@ class Sampler:
         and (if it asks) prompt scores in place; between steps, hand the rows that are done to `finished` and
         prefill the rows `admit` returns into the running batch, until no row is left."""
         batch = self._prefill(rows)
+        can_join = batch.mergeable  # else (a sliding-window cache) the batch runs as it started
         while batch.rows:
             self._step_tokens(batch)
             if any(row.stop_reason is not None for row in batch.rows):
@@ -139,7 +150,7 @@ class Sampler:
                 batch.keep([i for i, row in enumerate(batch.rows) if row.stop_reason is None])
             if batch.rows:
                 self._decode(batch)
-            joining = admit()
+            joining = admit() if can_join else []
             if joining and batch.rows:
                 batch.join(self._prefill(joining))
             elif joining:
