@@ -89,7 +89,8 @@ class _Decoding:
         sliding-window layer keeps only its window, so its length is not the mask's)."""
         from transformers.cache_utils import DynamicLayer
 
-        return all(isinstance(layer, DynamicLayer) and not layer.is_sliding for layer in self.cache.layers)
+        return all(isinstance(layer, DynamicLayer) and not getattr(layer, "is_sliding", False)
+                   for layer in self.cache.layers)
 
     def keep(self, indices: list[int]) -> None:
         index = torch.tensor(indices, dtype=torch.long, device=self.mask.device)
@@ -98,7 +99,7 @@ class _Decoding:
         self.stops = [self.stops[i] for i in indices]
         self.mask, self.last_pos, self.logits = self.mask[index], self.last_pos[index], self.logits[index]
         for layer in self.cache.layers:
-            layer.batch_select_indices(index)
+            layer.keys, layer.values = layer.keys[index], layer.values[index]
         if indices and self.mergeable:  # columns only departed rows used (padding for all left) are dropped
             start = int(self.mask.any(dim=0).int().argmax())
             self.mask = self.mask[:, start:]
