@@ -285,10 +285,12 @@ class RoundProbe:
         summary after its results, so wait a little for the last one."""
         for _ in range(50):
             jobs = [job for job in Job.fetch_many(ids, connection=self.redis, serializer=JSONSerializer) if job]
-            leaders = [(job.started_at, job.return_value()) for job in jobs]
-            batches = [summary["batch"] for _, summary in sorted(
-                (leader for leader in leaders if isinstance(leader[1], dict) and "batch" in leader[1]),
-                key=lambda leader: leader[0])]
+            runs = []  # (started, size) of each batch's leading job
+            for job in jobs:
+                summary = job.return_value()
+                if isinstance(summary, dict) and "batch" in summary:
+                    runs.append((job.started_at, summary["batch"]))
+            batches = [size for _, size in sorted(runs)]
             if sum(batches) >= len(jobs):
                 return batches
             time.sleep(0.02)

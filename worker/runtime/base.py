@@ -2,7 +2,7 @@
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from schemas import (
     CreateModelOutput,
@@ -48,6 +48,20 @@ Keyed = list[tuple[str, SampleRequest]]  # requests with the key their result is
 Done = Callable[[str, SampleOutput | ErrorResponse], None]
 # More queued requests for a running batch, only those the predicate accepts ([] when there are none).
 Admit = Callable[[Callable[[SampleRequest], bool]], Keyed]
+
+
+T = TypeVar("T")
+
+
+def servable(items: Keyed, done: Done, prepare: Callable[[SampleRequest], T]) -> list[tuple[str, SampleRequest, T]]:
+    """The items `prepare` accepts, each with what it returned; a refused one (DomainError) is answered at once."""
+    accepted = []
+    for key, request in items:
+        try:
+            accepted.append((key, request, prepare(request)))
+        except DomainError as exc:
+            done(key, exc.response())
+    return accepted
 
 
 def in_order(serve: Callable[[Keyed, Done], None], requests: list[SampleRequest]) -> list[SampleOutput | ErrorResponse]:

@@ -15,7 +15,7 @@ from schemas import (
     WeightSyncOutput,
     WeightSyncRequest,
 )
-from worker.runtime.base import Admit, Done, DomainError, Engine, Keyed, Trainer, in_order, unknown_model
+from worker.runtime.base import Admit, Done, DomainError, Engine, Keyed, Trainer, in_order, servable, unknown_model
 
 
 class Runtime:
@@ -92,13 +92,7 @@ class Runtime:
         """Serve `items` and what `admit` returns while they run; each request's output or error goes to
         `done` as soon as it is ready."""
         def pinned(admitted: Keyed) -> Keyed:
-            servable = []
-            for key, request in admitted:
-                try:
-                    servable.append((key, self._pin(request)))
-                except DomainError as exc:
-                    done(key, exc.response())
-            return servable
+            return [(key, request) for key, _, request in servable(admitted, done, self._pin)]
 
         first = pinned(items)
         if first:

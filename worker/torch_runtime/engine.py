@@ -4,7 +4,7 @@ import secrets
 from collections import OrderedDict, defaultdict
 
 from schemas import ErrorResponse, GeneratedSequence, SampleOutput, SampleRequest, TopkLogprobs
-from worker.runtime.base import Admit, Done, DomainError, Engine, Keyed, check_fits, in_order
+from worker.runtime.base import Admit, Done, Engine, Keyed, check_fits, in_order, servable
 from worker.torch_runtime.bases import BaseModels, LoadedBase, adapter_name
 from worker.torch_runtime.lora_io import LoraWeights, import_adapter
 from worker.torch_runtime.sampler import Row, Sampler
@@ -57,12 +57,7 @@ class TorchEngine(Engine):
 
         def rows_of(admitted: Keyed) -> list[Row]:
             rows = []
-            for key, request in admitted:
-                try:
-                    self._check(request)
-                except DomainError as exc:
-                    done(key, exc.response())
-                    continue
+            for key, request, _ in servable(admitted, done, self._check):
                 mine = self._rows(key, request)
                 running[key] = (request, mine)
                 rows += mine

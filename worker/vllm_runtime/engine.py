@@ -30,7 +30,7 @@ import torch
 from schemas import CreateModelRequest, ErrorResponse, SampleOutput, SampleRequest
 from tinkerq import local_models
 from tinkerq.config import RuntimeConfig
-from worker.runtime.base import Admit, Done, DomainError, Engine, Keyed, check_fits, in_order
+from worker.runtime.base import Admit, Done, DomainError, Engine, Keyed, check_fits, in_order, servable
 from worker.torch_runtime.bases import resolve_device
 from worker.torch_runtime.lora_io import LoraWeights, save_adapter
 from worker.vllm_runtime import merge, requests as translate
@@ -194,13 +194,7 @@ class VllmEngine(Engine):
         owners: dict[str, tuple[str, int]] = {}  # vLLM request id -> (key, sample index)
 
         def add(admitted: Keyed) -> None:
-            for key, request in admitted:
-                try:
-                    self._check(request)
-                    samples = self._params(request)
-                except DomainError as exc:
-                    done(key, exc.response())
-                    continue
+            for key, request, samples in servable(admitted, done, self._checked_params):
                 lora = self.snapshots[request.model_id][request.weights_version]
                 added = []
                 try:
@@ -241,6 +235,10 @@ class VllmEngine(Engine):
         if all(o is not None for o in outputs):
             del waiting[key]
             done(key, translate.output(request, outputs))
+
+    def _checked_params(self, request: SampleRequest) -> list[Any]:
+        self._check(request)
+        return self._params(request)
 
     @staticmethod
     def _params(request: SampleRequest) -> list[Any]:
