@@ -334,3 +334,33 @@ def test_requests_admitted_mid_decode_sample_exactly_what_they_would_alone(rt):
         if key == "wide":
             assert max_diff(joined.prompt_logprobs[1:], alone.prompt_logprobs[1:]) < TOLERANCE
             assert joined.topk_prompt_logprobs == alone.topk_prompt_logprobs
+
+
+def test_a_sliding_window_model_runs_each_batch_as_it_started_and_samples_exactly(rt):
+    """A model whose KV cache keeps only a window (as Mistral- and Gemma-2-style models do; here a full layer,
+    then a 6-token sliding one): no row can join its cache, so a running batch takes nobody in, and what it
+    samples (past the window, from uneven prompts, rows ending at different steps) equals the trainer's
+    forward and the same request alone."""
+    model = new_model(rt, seed=3, base="tinyq-window")
+    version = rl_step(rt, model, 0, lr=0.2)
+
+    def req(prompt, max_tokens):
+        return SampleRequest(model_id=model, prompt_tokens=prompt, weights_version=version,
+                             sampling_params=SamplingParams(max_tokens=max_tokens, seed=5, stop=[]))
+
+    batch = {"long": req(PROMPT * 2, 14), "short": req(PROMPT[:2], 4), "one": req([9], 10)}
+    late = ("late", req(PROMPT, 3))
+    offers = [[late]] * 20
+    results = {}
+
+    def admit(accept):
+        return [(key, r) for key, r in offers.pop() if accept(r)]
+
+    rt.sample_stream(list(batch.items()), results.__setitem__, admit)
+    assert len(offers) == 20 and set(results) == set(batch)  # "late" was never taken in
+    for key, request in batch.items():
+        (joined,), (alone,) = results[key].sequences, rt.sample([request])[0].sequences
+        assert joined.tokens == alone.tokens and len(joined.tokens) == request.sampling_params.max_tokens, key
+        assert max_diff(joined.logprobs, alone.logprobs) < TOLERANCE, key
+        forward = trainer_logprobs(rt, model, request.prompt_tokens, joined.tokens)
+        assert max_diff(joined.logprobs, forward[len(request.prompt_tokens) - 1:]) < TOLERANCE, key

@@ -36,6 +36,10 @@ class Shape:
     # Tiny models get a wider init than HF's 0.02, for a less uniform (more interesting) policy.
     wide_init: bool = True
     save_dtype: str = "float32"
+    # Sliding-window attention on every layer from `window_from` on (Qwen2's max_window_layers), as Mistral
+    # and Gemma-2-style models have: their KV cache keeps only the window.
+    sliding_window: int | None = None
+    window_from: int = 0
 
 
 # hidden/heads >= 32: vLLM's CPU attention supports no smaller head size.
@@ -43,6 +47,9 @@ LOCAL_MODELS: dict[str, Shape] = {
     "tinyq-micro": Shape(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, vocab=2048),
     # Tied embeddings, as SmolLM2 and the small Qwen2.5 models have.
     "tinyq-tied": Shape(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, vocab=2048, tie_embeddings=True),
+    # One full-attention layer, then a 6-token sliding window.
+    "tinyq-window": Shape(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, vocab=2048,
+                          sliding_window=6, window_from=1),
     "tinyq-small": Shape(hidden=256, layers=4, heads=8, kv_heads=4, intermediate=768, vocab=4096),
     # Random weights in the shapes of Qwen2.5-0.5B and -1.5B: for GPU throughput and sync measurements.
     "randq-0.5b": Shape(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936,
@@ -146,6 +153,8 @@ def build(name: str, shape: Shape, out: Path, seed: int = 0) -> None:
         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
         intermediate_size=shape.intermediate, max_position_embeddings=shape.context,
         tie_word_embeddings=shape.tie_embeddings, torch_dtype=shape.save_dtype,
+        use_sliding_window=shape.sliding_window is not None, sliding_window=shape.sliding_window,
+        max_window_layers=shape.window_from,
         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id,
     )
     torch.manual_seed(seed)
