@@ -171,6 +171,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--model", default="tinyq-micro", help="a local model name (tinkerq.local_models)")
     parser.add_argument("--device", default="auto", help="the worker's torch device (TINKERQ_DEVICE)")
+    parser.add_argument("--dtype", default="float32", help="the worker's TINKERQ_DTYPE (float32, as the recorded runs)")
     parser.add_argument("--api-workers", type=int, default=1, help="`tinkerq api --workers`")
     parser.add_argument("--split-cores", action="store_true",
                         help="worker on the last core, API and clients on the others (as on separate hosts)")
@@ -190,7 +191,8 @@ def main() -> None:
     with ExitStack() as stack:
         url = os.environ.get("REDIS_URL") or stack.enter_context(EmbeddedRedis()).url
         Redis.from_url(url).flushdb()
-        env = {"TINKERQ_NUM_SHARDS": "1", "TINKERQ_CHECKPOINT_ROOT": str(tmp), "TINKERQ_DEVICE": args.device}
+        env = {"TINKERQ_NUM_SHARDS": "1", "TINKERQ_CHECKPOINT_ROOT": str(tmp), "TINKERQ_DEVICE": args.device,
+               "TINKERQ_DTYPE": args.dtype}
         # pinned, the worker's torch uses its own cores and no more
         worker_env = {**env, "OMP_NUM_THREADS": str(len(cpu_list(args.worker_cpus)))} if args.worker_cpus else env
         port = free_port()

@@ -5,7 +5,6 @@
 # into 60 MiB chunks, one per command, into /tmp/vparts (../shared/reference/vllm-on-h200.md). Then:
 #   bash bench/h200_vllm_carry.sh                        # here: build .devcarry/p00 … pNN
 #   bash bench/h200_vllm.sh install                      # there: verify, unpack, pip install into /tmp/site
-#   bash bench/h200_vllm.sh test [pytest args...]        # tests/test_vllm_engine.py on the GPU
 #   TAG=name bash bench/h200_vllm.sh run MODEL [bench args...]   # bench/sampling_throughput.py on the GPU
 set -euo pipefail
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -22,12 +21,6 @@ install)
   rm -rf /tmp/vw/whl /tmp/vparts
   python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
   redis-server --version
-  ;;
-test)
-  shift
-  # two engines live at once (one per sync mode), each in its own share of the GPU
-  TINKERQ_VLLM_GPU_MEMORY_UTILIZATION=0.3 python3 -m pytest -q -p no:cacheprovider tests/test_vllm_engine.py "$@" \
-    2>&1 | tee "$OUT/test_vllm_engine.log" | tail -40
   ;;
 run)
   shift

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds .devcarry/ (git-ignored) for bench/h200_vllm.sh: vllm 0.26.0 (the release pinned to the H200 host's
-# torch 2.11), the dependencies it imports that the host lacks, ours (rq, redis-py, pydantic-settings, fakeredis for the tests), and
+# torch 2.11), the dependencies it imports that the host lacks, ours (rq, redis-py, pydantic-settings), and
 # Debian's redis-server with the libraries the host's image lacks; one tar split into 60 MiB chunks, one
 # folder per device command (.devcarry/p00 holds the checksums). ../shared/reference/vllm-on-h200.md says why.
 # Run here, where PyPI and Debian's packages are reachable.
@@ -11,7 +11,7 @@ cbor2==6.3.0 pyzmq==27.3.0 msgspec==0.23.0 pybase64==1.5.1 cachetools==8.0.2 ope
 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0 sniffio==1.3.1 llguidance==1.7.6 xgrammar==0.2.7
 apache-tvm-ffi==0.1.10 fastapi==0.136.3 starlette==1.10.0 partial-json-parser==0.2.1.1.post7 blake3==1.0.11
 setproctitle==1.3.8 depyf==0.20.0 astor==0.8.1 dill==0.4.1"
-OURS="rq redis croniter pydantic-settings python-dotenv fakeredis"
+OURS="rq redis croniter pydantic-settings python-dotenv"
 pins=()
 for pkg in $OURS; do
   pins+=("$pkg==$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('$pkg'))")")

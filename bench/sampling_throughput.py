@@ -80,7 +80,7 @@ def runtime_settings(args, engine: str) -> dict[str, str]:
     # vLLM pads every adapter to max_lora_rank: keep it at the rank in use
     return {"runtime": "torch", "engine": engine, "vllm_sync": args.vllm_sync, "device": args.device,
             "dtype": args.dtype, "vllm_gpu_memory_utilization": str(args.gpu_memory_utilization),
-            "vllm_max_lora_rank": str(args.lora_rank)}
+            "vllm_max_lora_rank": str(args.lora_rank), "vllm_enforce_eager": str(not args.cuda_graphs).lower()}
 
 
 class Direct:
@@ -251,6 +251,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument("--cuda-graphs", action="store_true", help="vLLM with CUDA graphs (TINKERQ_VLLM_ENFORCE_EAGER=0)")
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--no-named-syncs", dest="named_syncs", action="store_false",
                         help="skip persisted syncs (they write a merged checkpoint: minutes for a 0.5B+ model)")

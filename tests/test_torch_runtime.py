@@ -364,3 +364,11 @@ def test_a_sliding_window_model_runs_each_batch_as_it_started_and_samples_exactl
         assert max_diff(joined.logprobs, alone.logprobs) < TOLERANCE, key
         forward = trainer_logprobs(rt, model, request.prompt_tokens, joined.tokens)
         assert max_diff(joined.logprobs, forward[len(request.prompt_tokens) - 1:]) < TOLERANCE, key
+
+
+def test_dtype_auto_is_bfloat16_on_a_gpu_and_float32_on_the_cpu():
+    from worker.torch_runtime.bases import resolve_dtype
+
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("float16", torch.device("cpu")) == torch.float16

@@ -31,7 +31,7 @@ from schemas import CreateModelRequest, ErrorResponse, SampleOutput, SampleReque
 from tinkerq import local_models
 from tinkerq.config import RuntimeConfig
 from worker.runtime.base import Admit, Done, DomainError, Engine, Keyed, check_fits, in_order, servable
-from worker.torch_runtime.bases import resolve_device
+from worker.torch_runtime.bases import resolve_device, resolve_dtype
 from worker.torch_runtime.lora_io import LoraWeights, save_adapter
 from worker.vllm_runtime import merge, requests as translate
 
@@ -54,9 +54,13 @@ class VllmEngine(Engine):
         from worker.vllm_runtime import patches
 
         self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.merged = config.vllm_sync == "merged"
+        if self.device.type == "cuda" and self.dtype == torch.float32 and not self.merged:
+            raise ValueError("vLLM's GPU LoRA kernels take float16 or bfloat16 weights only: set TINKERQ_DTYPE="
+                             "bfloat16 (or auto), or TINKERQ_VLLM_SYNC=merged to serve float32 without LoRA")
         patches.apply(on_cpu=self.device.type == "cpu")
         self.config = config
-        self.merged = config.vllm_sync == "merged"
         self.llms: dict[str, Any] = {}
         self.base_of: dict[str, str] = {}
         # model -> version -> its vllm LoRARequest, or None where the base weights serve it (merged, untrained)
@@ -164,7 +168,7 @@ class VllmEngine(Engine):
             path = local_models.resolve(base_model)
         except ValueError as exc:
             raise DomainError(404, "unknown_base_model", str(exc)) from exc
-        kwargs: dict[str, Any] = dict(model=str(path), dtype=self.config.dtype, seed=0,
+        kwargs: dict[str, Any] = dict(model=str(path), dtype=str(self.dtype).removeprefix("torch."), seed=0,
                                       enforce_eager=self.config.vllm_enforce_eager, enable_prefix_caching=True)
         if self.device.type == "cuda":
             kwargs["gpu_memory_utilization"] = self.config.vllm_gpu_memory_utilization
