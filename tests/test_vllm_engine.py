@@ -256,6 +256,20 @@ def test_bad_requests_get_their_own_error_and_the_batch_still_runs(lora):
     assert isinstance(fine, SampleOutput)
 
 
+def test_a_request_vllm_refuses_when_added_gets_its_own_error_and_the_batch_still_runs(lora):
+    """Past our own checks, vLLM may still refuse a request as it is added (here: more top-k prompt logprobs
+    than its max_logprobs of 20, which a deployment's TINKERQ_MAX_TOPK may allow): that request gets a 400,
+    its samples leave the engine, and the rest of the batch is served as if it had not been there."""
+    model = lora.new_model(seed=9)
+    fine = request(model, 0, seed=3)
+    refused, served_ = lora.vllm.sample([request(model, 0, num_samples=2, topk_prompt_logprobs=25), fine])
+    assert isinstance(refused, ErrorResponse) and refused.status == 400, refused
+    assert "logprobs" in refused.error
+    assert isinstance(served_, SampleOutput)
+    assert served_.sequences[0].tokens == served(lora.vllm, fine)[0].sequences[0].tokens
+    assert not lora.vllm.engine.llms[BASE].llm_engine.has_unfinished_requests()
+
+
 def test_lora_rank_over_the_engine_limit_is_refused_before_training_starts(lora):
     with pytest.raises(DomainError) as err:
         lora.vllm.execute(CreateModelRequest(model_id="big:train:0", base_model=BASE, lora=LoraConfig(rank=32)))
