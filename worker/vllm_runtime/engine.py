@@ -169,13 +169,18 @@ class VllmEngine(Engine):
         except ValueError as exc:
             raise DomainError(404, "unknown_base_model", str(exc)) from exc
         kwargs: dict[str, Any] = dict(model=str(path), dtype=str(self.dtype).removeprefix("torch."), seed=0,
-                                      enforce_eager=self.config.vllm_enforce_eager, enable_prefix_caching=True)
+                                      enforce_eager=self._eager(), enable_prefix_caching=True)
         if self.device.type == "cuda":
             kwargs["gpu_memory_utilization"] = self.config.vllm_gpu_memory_utilization
         if not self.merged:
             kwargs.update(enable_lora=True, max_loras=self.config.vllm_max_loras,
                           max_lora_rank=self.config.vllm_max_lora_rank)
         return LLM(**kwargs)
+
+    def _eager(self) -> bool:
+        if self.config.vllm_enforce_eager is not None:
+            return self.config.vllm_enforce_eager
+        return self.device.type != "cuda"  # CUDA graphs, checked to serve each sync's weights: vllm_sync_check.py
 
     # -- sampling -------------------------------------------------------------------------------
 
