@@ -1,7 +1,9 @@
 """Queue overhead: a trivial sample through producer -> Redis -> worker -> result -> waiter,
-beside a bare RQ no-op job measured the same way, plus enqueue throughput. One run, one machine.
+beside a bare RQ no-op job measured the same way, plus enqueue throughput; and the queue's fixed cost
+of a round of `--batch` requests (4 samples x 128 tokens each, `submit_many`, one engine run: the shape of
+bench/sampling_throughput.py) with an engine that costs nothing. One run, one machine.
 
-    python bench/queue_overhead.py [--n 300]      (REDIS_URL, or a private redis-server is started)
+    python bench/queue_overhead.py [--n 300] [--batch 32]   (REDIS_URL, or a private redis-server is started)
 
 Prints a table and writes bench/out/queue_overhead.json.
 """
@@ -73,6 +75,18 @@ def measure_tinkerq(producer: Producer, n: int) -> list[float]:
     return latencies
 
 
+def measure_batch(producer: Producer, size: int, rounds: int) -> list[float]:
+    requests = [SampleRequest(model_id="bench", prompt_tokens=list(range(3, 19)), num_samples=4,
+                              sampling_params=SamplingParams(max_tokens=128, seed=i, stop=[])) for i in range(size)]
+    latencies = []
+    for _ in tqdm(range(rounds), desc=f"rounds of {size}", leave=False):
+        t0 = time.perf_counter()
+        tickets = producer.submit_many(requests)
+        assert all(producer.wait(t.request_id, 30).type == "sample" for t in tickets)
+        latencies.append(time.perf_counter() - t0)
+    return latencies
+
+
 def enqueue_rate(fn, n: int) -> float:
     t0 = time.perf_counter()
     for _ in range(n):
@@ -84,6 +98,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=32, help="requests per round in the batch measurement")
     parser.add_argument("--out", default=str(ROOT / "bench" / "out" / "queue_overhead.json"))
     args = parser.parse_args()
     with ExitStack() as stack:
@@ -103,6 +118,7 @@ def main() -> None:
         for _ in range(5):
             bare += measure_bare(r, args.n // 5)
             ours += measure_tinkerq(producer, args.n // 5)
+        batch = measure_batch(producer, args.batch, max(10, args.n // 10))
         for p in procs:
             p.terminate()
             p.wait()
@@ -120,6 +136,7 @@ def main() -> None:
         "tinkerq": percentiles(ours),
         "p50_ratio": statistics.median(ours) / statistics.median(bare),
         "enqueue_per_s": {"bare_rq": rq_rate, "tinkerq": our_rate},
+        "batch_round": {"requests": args.batch, **percentiles(batch)},
     }
     rows = [("bare RQ no-op", report["bare_rq"]), ("tinkerq sample", report["tinkerq"])]
     print(f"\n{'path':<16}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'mean ms':>9}")
@@ -127,6 +144,9 @@ def main() -> None:
         print(f"{name:<16}{p['p50_ms']:>9.2f}{p['p90_ms']:>9.2f}{p['p99_ms']:>9.2f}{p['mean_ms']:>9.2f}")
     print(f"p50 ratio tinkerq / bare RQ: {report['p50_ratio']:.2f}  (target <= 1.3, and p50 < 3 ms)")
     print(f"enqueue: bare RQ {rq_rate:,.0f}/s, tinkerq {our_rate:,.0f}/s")
+    b = report["batch_round"]
+    print(f"a round of {args.batch} requests x 4 samples x 128 tokens (submit_many, no engine time): "
+          f"p50 {b['p50_ms']:.1f} ms, p90 {b['p90_ms']:.1f} ms")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")

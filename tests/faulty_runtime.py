@@ -9,9 +9,18 @@ from worker.runtime.reference import ReferenceEngine, ReferenceTrainer
 
 EXPLODE = 666  # first prompt token that makes generate() raise
 STALL = 777  # first prompt token that makes generate() take 3 s
+HALF = 555  # a batch holding a request with this first token serves the others, then raises before any admit
 
 
 class FaultyEngine(ReferenceEngine):
+    def generate_stream(self, items, done, admit=None):
+        if not any(request.prompt_tokens[0] == HALF for _, request in items):
+            return super().generate_stream(items, done, admit)
+        for key, request in items:
+            if request.prompt_tokens[0] != HALF:
+                done(key, super().generate([request])[0])
+        raise RuntimeError("engine exploded mid-batch")
+
     def generate(self, requests):
         firsts = {r.prompt_tokens[0] for r in requests}
         if EXPLODE in firsts:

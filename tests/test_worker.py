@@ -151,6 +151,21 @@ def test_an_engine_crash_after_admitting_samples_puts_them_back_and_each_gets_on
     assert r.llen(Queue(keys.queue_name(stall.shard), connection=r).key) == 0
 
 
+def test_samples_served_before_an_engine_crash_are_finished_in_rq_and_leave_the_in_flight_list(r, producer, config,
+                                                                                             tmp_path):
+    import faulty_runtime
+
+    create(producer)
+    crashing = sample(producer, prompt=[faulty_runtime.HALF])
+    served = [sample(producer) for _ in range(2)]  # claimed with it, and served before the engine raises
+    drain(r, config, tmp_path, runtime="faulty_runtime:make")
+    assert all(isinstance(result(producer, ticket), SampleOutput) for ticket in served)
+    assert result(producer, crashing).status == 500
+    for ticket in served:
+        assert Job.fetch(ticket.request_id, connection=r, serializer="json").get_status() == JobStatus.FINISHED
+    assert r.llen(keys.inflight_key(keys.shard_of(M, config.num_shards))) == 0
+
+
 def test_a_crash_mid_batch_puts_the_claimed_samples_back_at_the_front_in_order(r, producer, config, tmp_path):
     from worker.batching import Batcher
     from worker.recovery import recover

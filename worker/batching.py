@@ -7,8 +7,8 @@ engine runs, samples that arrive join it (continuous batching) as long as no non
 model is queued ahead of them and the worker's other shard queues are empty, so a sync, a training op or
 another shard's job waits at most for the running batch to drain.
 The taken jobs move atomically from the queue to the shard's in-flight list (so a crash loses none:
-recovery puts them back at the front), and each is marked finished in RQ when its result is stored;
-on an exception the unfinished ones go back to the head of the queue and are retried one by one.
+recovery puts them back at the front); each result is stored as it is ready, and the jobs served in one
+engine step are marked finished in RQ together, at the next step; on an exception the unfinished ones go back to the head of the queue and are retried one by one.
 """
 
 import logging
@@ -127,14 +127,15 @@ class EngineRun:
     that a stream of samples on one shard holds up no other job for long."""
 
     def __init__(self, batcher: Batcher, queue_key: str, shard: int, max_requests: int, admit_s: float,
-                 other_queue_keys: list[str]) -> None:
-        self.batcher, self.queue_key, self.shard = batcher, queue_key, shard
+                 other_queue_keys: list[str], worker_name: str | None = None) -> None:
+        self.batcher, self.queue_key, self.shard, self.worker_name = batcher, queue_key, shard, worker_name
         self.other_queue_keys = other_queue_keys
         self.max_requests = max_requests
         self.admit_until = time.monotonic() + admit_s
         self.models: dict[str, str] = {}  # request id -> model id, of every request taken in
         self.unfinished: dict[str, Claimed] = {}
         self.served: set[str] = set()
+        self._to_finish: list[Claimed] = []  # served, not yet marked FINISHED in RQ
 
     def start(self, request_id: str, request: SampleRequest) -> list[tuple[str, SampleRequest]]:
         self.models[request_id] = request.model_id
@@ -142,6 +143,7 @@ class EngineRun:
                                                                         self.max_requests - 1))
 
     def admit(self, accept: Callable[[SampleRequest], bool]) -> list[tuple[str, SampleRequest]]:
+        self.flush()
         room = self.max_requests - len(self.unfinished) - 1
         if room <= 0 or time.monotonic() > self.admit_until:
             return []
@@ -150,12 +152,20 @@ class EngineRun:
             return []
         return self._take(self.batcher.claim(self.queue_key, self.shard, room, accept, before_any_barrier=True))
 
-    def finished(self, request_id: str, worker_name: str | None) -> None:
-        """The request's result is stored: mark its RQ job finished (the job at hand is RQ's own to finish)."""
+    def finished(self, request_id: str) -> None:
+        """The request's result is stored; its RQ job is marked finished at the next flush (the job at hand is
+        RQ's own to finish)."""
         self.served.add(request_id)
         claimed = self.unfinished.pop(request_id, None)
         if claimed is not None:
-            self.batcher.finish(self.shard, [claimed], worker_name)
+            self._to_finish.append(claimed)
+
+    def flush(self) -> None:
+        """Mark the jobs served since the last flush FINISHED in RQ, in one transaction: the engine calls admit
+        once per step, so the results of one step cost one round trip here, not one each. (A crash before the
+        flush leaves them in flight; recovery requeues them and each finds its result already stored.)"""
+        self.batcher.finish(self.shard, self._to_finish, self.worker_name)
+        self._to_finish = []
 
     def release(self) -> None:
         """After a failure: put back what was taken and not served."""

@@ -118,11 +118,11 @@ class Dispatcher:
         # list() copies in one step: the lease keeper thread may take or lose a shard meanwhile
         others = [_queue_key(keys.queue_name(owned)) for owned in list(self.fence.tokens) if owned != shard]
         run = batching.EngineRun(self.batcher, _queue_key(job.origin), shard, self.config.max_batch_requests,
-                                 self.config.batch_admit_s, others)
+                                 self.config.batch_admit_s, others, job.worker_name)
 
         def done(each_rid: str, result: Result) -> None:
             self.finish(shard, each_rid, self._state_lost(run.models[each_rid], result))
-            run.finished(each_rid, job.worker_name)
+            run.finished(each_rid)
 
         try:
             self.runtime.sample_stream(run.start(rid, request), done, run.admit)
@@ -135,6 +135,8 @@ class Dispatcher:
         except BaseException:
             run.release()
             raise
+        finally:
+            run.flush()
         return {"request_id": rid, "type": "sample", "batch": len(run.models)}
 
     def _state_lost(self, model_id: str, result: Result) -> Result:
