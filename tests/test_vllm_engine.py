@@ -290,6 +290,7 @@ def test_merged_mode_serves_one_model_per_base_and_only_its_latest_version(merge
 
 def test_float32_lora_on_a_gpu_is_refused_at_start_with_what_to_set(tmp_path):
     """vLLM's GPU LoRA kernels assert on float32 weights at the first sample; the engine says so up front."""
-    config = RuntimeConfig(runtime="torch", engine="vllm", device="cuda", dtype="float32", checkpoint_root=str(tmp_path))
+    config = RuntimeConfig(runtime="torch", engine="vllm", device="cuda", dtype="float32",
+                           checkpoint_root=str(tmp_path))
     with pytest.raises(ValueError, match="TINKERQ_DTYPE=bfloat16"):
         VllmEngine(config)

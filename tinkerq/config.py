@@ -36,8 +36,8 @@ class RuntimeConfig(BaseSettings):
     # Live weight snapshots per model: a sampling session pinned to an older one gets an explicit error.
     max_snapshots: int = Field(4, ge=1)
     device: str = Field("auto", description="torch runtime: auto | cpu | cuda | cuda:N")
-    dtype: str = Field("auto", pattern="^(auto|float32|bfloat16|float16)$",
-                       description="torch runtime: auto (bfloat16 on a GPU, float32 on the CPU) | float32 | bfloat16 | float16")
+    # auto: bfloat16 on a GPU (vLLM's GPU LoRA kernels take nothing wider), float32 on the CPU.
+    dtype: str = Field("auto", pattern="^(auto|float32|bfloat16|float16)$", description="torch runtime's dtype")
     # The sampling engine beside the torch trainer. auto: vLLM where it imports, else PyTorch.
     engine: str = Field("auto", pattern="^(auto|vllm|torch)$", description="the torch runtime's sampling engine")
     # vLLM: LoRA snapshots as adapters (many models and versions per base), or full weights merged and

@@ -8,7 +8,8 @@ model is queued ahead of them and the worker's other shard queues are empty, so 
 another shard's job waits at most for the running batch to drain.
 The taken jobs move atomically from the queue to the shard's in-flight list (so a crash loses none:
 recovery puts them back at the front); each result is stored as it is ready, and the jobs served in one
-engine step are marked finished in RQ together, at the next step; on an exception the unfinished ones go back to the head of the queue and are retried one by one.
+engine step are marked finished in RQ together, at the next step; on an exception the unfinished ones go
+back to the head of the queue and are retried one by one.
 """
 
 import logging
