@@ -4,8 +4,8 @@
 
 CUDA graphs capture the weights' addresses, so an in-place reload (merged sync) that allocated new tensors
 would go on serving the old weights, silently. For each sync mode and each of eager / CUDA graphs: train a
-model a few strong steps, syncing after each, and compare the logprobs vLLM reports for what it sampled
-with the trainer's forward over the same tokens, on the synced weights and on the previous version's.
+model a few strong steps, syncing after each, and compare vLLM's prompt logprobs of a fixed completion on
+the synced snapshot with the trainer's forward over it, on the synced weights and on the previous ones.
 Served right, the first gap is numerical noise and the second is the training step's effect.
 Prints a table and writes bench/out/vllm_sync_check.json.
 """

@@ -47,7 +47,8 @@ class RuntimeConfig(BaseSettings):
     vllm_max_lora_rank: int = Field(64, ge=1)
     vllm_gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
     vllm_cpu_kv_cache_gib: float = Field(1.0, gt=0.0)
-    # None: CUDA graphs on a GPU (4-9x the tokens/s of eager on the H200, ~15 s more to start), eager on the CPU.
+    # None: CUDA graphs on a GPU (3.7-9x the tokens/s of eager on the H200; capturing them slows start-up),
+    # eager on the CPU.
     vllm_enforce_eager: bool | None = None
     # Test aid for the reference engine: simulated generation time per token.
     reference_delay_per_token_s: float = Field(0.0, ge=0.0)
