@@ -1,5 +1,6 @@
 """Identifier rules. Ids end up in Redis keys, RQ job ids and HTTP headers, so they are strict."""
 
+import hashlib
 import secrets
 from typing import Annotated
 
@@ -16,3 +17,9 @@ ModelId = Annotated[str, StringConstraints(pattern=MODEL_ID_PATTERN)]
 
 def new_request_id(prefix: str = "r") -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def base_model_id(base_model: str) -> str:
+    """The queue's model id for samples of a bare base model: it routes them, and no client can create it
+    (the SDK's model ids are `<session>:train:<n>`)."""
+    return "base:" + hashlib.blake2b(base_model.encode(), digest_size=8).hexdigest()

@@ -4,7 +4,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
-from schemas.ids import ModelId
+from schemas.ids import ModelId, base_model_id
 
 
 class _Strict(BaseModel):
@@ -50,6 +50,21 @@ class SampleRequest(_Strict):
     # The snapshot this sample must be served from. The producer fills it with the model's latest
     # enqueued sync when the caller leaves it out, so FIFO order gives "sync before later samples".
     weights_version: int | None = Field(None, ge=0)
+    # Set: sample the bare base model (no adapter, version 0), under model_id = base_model_id(base_model).
+    base_model: str | None = Field(None, min_length=1, max_length=256)
+
+    @model_validator(mode="after")
+    def _base_sample_routes_by_its_base(self) -> "SampleRequest":
+        if self.base_model is not None:
+            if self.model_id != base_model_id(self.base_model):
+                raise ValueError(f"a base-model sample has model_id {base_model_id(self.base_model)!r}")
+            if self.weights_version not in (None, 0):
+                raise ValueError("a base-model sample is served from the base weights: weights_version 0")
+        return self
+
+    @classmethod
+    def of_base(cls, base_model: str, **fields: Any) -> "SampleRequest":
+        return cls(model_id=base_model_id(base_model), base_model=base_model, weights_version=0, **fields)
 
 
 class WeightSyncRequest(_Strict):

@@ -48,7 +48,9 @@ def config() -> QueueConfig:
 
 
 def burst_worker(connection: Redis, config: QueueConfig, tmp_path: Path, **runtime: object) -> WorkerProcess:
-    """An in-process worker over every shard, for draining queues in a test (run with burst=True)."""
+    """An in-process worker over every shard, for draining queues in a test (run with burst=True); the reference
+    runtime unless the test asks for another."""
+    runtime.setdefault("runtime", "reference")
     rt = build_runtime(RuntimeConfig(checkpoint_root=str(tmp_path / "ckpt"), **runtime))
     return WorkerProcess(connection, rt, config)
 
@@ -127,6 +129,7 @@ def start_worker(redis_url: str, config: QueueConfig, tmp_path: Path):
 
     def start(*args: str, **env: str) -> WorkerProc:
         base = {
+            "TINKERQ_RUNTIME": "reference",  # the tests' stand-in model unless a test asks for a real one
             "TINKERQ_NUM_SHARDS": str(config.num_shards),
             "TINKERQ_LEASE_TTL_MS": str(config.lease_ttl_ms),
             "TINKERQ_SEQ_GAP_TIMEOUT_S": str(config.seq_gap_timeout_s),

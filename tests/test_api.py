@@ -343,3 +343,37 @@ def test_a_lost_redis_is_a_503_with_a_message_and_the_api_recovers(config):
             assert post(api, "create_session", {}).status_code == 200
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("outage", ["frozen", "down"])
+def test_the_app_stops_within_seconds_whatever_redis_does(config, outage):
+    """SIGTERM of `tinkerq api` runs the lifespan's shutdown: it must not wait on a frozen (SIGSTOPped, as in a
+    network partition) or vanished Redis, with pollers in flight and the result listener blocked or reconnecting."""
+    import signal
+    import time
+
+    from tinkerq.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis().start()
+    client = TestClient(create_app(server.url, ApiSettings(api_keys="tml-good", long_poll_s=5), config))
+    try:
+        client.__enter__()
+        assert post(client, "create_session", {}).status_code == 200
+        if outage == "frozen":
+            server.process.send_signal(signal.SIGSTOP)
+        else:
+            server.process.kill()
+            server.process.wait()
+        poller = threading.Thread(target=lambda: post(client, "retrieve_future", {"request_id": "r-1"}), daemon=True)
+        poller.start()
+        time.sleep(0.5)
+        stopper = threading.Thread(target=client.__exit__, args=(None, None, None), daemon=True)
+        started = time.monotonic()
+        stopper.start()
+        stopper.join(timeout=15)
+        assert not stopper.is_alive(), "the app's shutdown hung"
+        assert time.monotonic() - started < 10
+    finally:
+        if server.process.poll() is None:
+            server.process.send_signal(signal.SIGCONT)
+        server.stop()

@@ -372,3 +372,38 @@ def test_dtype_auto_is_bfloat16_on_a_gpu_and_float32_on_the_cpu():
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert resolve_dtype("float16", torch.device("cpu")) == torch.float16
+
+
+def base_forward_logprobs(base: str, prompt: list[int], completion: list[int]) -> list[float]:
+    """The bare base model's own forward (a fresh HF model: no adapter anywhere), per completion token."""
+    from transformers import AutoModelForCausalLM
+
+    from tinkerq.catalog import BaseModelCatalog
+
+    model = AutoModelForCausalLM.from_pretrained(BaseModelCatalog.from_env().path(base), dtype=torch.float32).eval()
+    full = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(full).logits.float(), dim=-1)[0, :-1]
+    return logprobs.gather(-1, full[0, 1:, None])[:, 0].tolist()[len(prompt) - 1:]
+
+
+def test_a_bare_base_model_serves_its_untrained_weights_beside_trained_adapters(rt):
+    model = new_model(rt)
+    version = rl_step(rt, model, 0, lr=0.2)  # the adapter now differs from the base
+    params = SamplingParams(max_tokens=8, seed=5)
+    bare = SampleRequest.of_base(BASE, prompt_tokens=PROMPT, num_samples=2, prompt_logprobs=True,
+                                 sampling_params=params)
+    trained = SampleRequest(model_id=model, prompt_tokens=PROMPT, weights_version=version, sampling_params=params)
+    together = rt.sample([bare, trained])
+    (alone,) = rt.sample([bare])
+    assert all(isinstance(o, SampleOutput) for o in together + [alone]), together
+    assert together[0].weights_version == 0
+    assert [s.tokens for s in together[0].sequences] == [s.tokens for s in alone.sequences]  # batching changes nothing
+    for seq in together[0].sequences:
+        assert max_diff(base_forward_logprobs(BASE, PROMPT, seq.tokens), seq.logprobs) < TOLERANCE
+    trained_lps = trainer_logprobs(rt, model, PROMPT, together[1].sequences[0].tokens)[len(PROMPT) - 1:]
+    assert max_diff(trained_lps, together[1].sequences[0].logprobs) < TOLERANCE
+    base_lps = base_forward_logprobs(BASE, PROMPT, together[1].sequences[0].tokens)
+    assert max_diff(trained_lps, base_lps) > 1e-2  # the trained model is not the base
+    (unknown,) = rt.sample([SampleRequest.of_base("no-such-base", prompt_tokens=PROMPT)])
+    assert isinstance(unknown, ErrorResponse) and unknown.code == "unknown_base_model"

@@ -294,3 +294,22 @@ def test_float32_lora_on_a_gpu_is_refused_at_start_with_what_to_set(tmp_path):
                            checkpoint_root=str(tmp_path))
     with pytest.raises(ValueError, match="TINKERQ_DTYPE=bfloat16"):
         VllmEngine(config)
+
+
+def test_a_bare_base_model_is_sampled_without_an_adapter_beside_adapters(lora, merged):
+    model = lora.new_model(seed=4)
+    version = lora.train_and_sync(model, 0, lr=0.2)
+    bare = SampleRequest.of_base(BASE, prompt_tokens=PROMPT, num_samples=2, prompt_logprobs=True,
+                                 sampling_params=SamplingParams(max_tokens=8, temperature=0, stop=[]))
+    ours = served(lora.vllm, bare, request(model, version, temperature=0, stop=[]))
+    (theirs,) = served(lora.torch, bare)  # the PyTorch engine's base rows: no adapter
+    for a, b in zip(ours[0].sequences, theirs.sequences):
+        assert a.tokens == b.tokens and max_diff(a.logprobs, b.logprobs) < TOLERANCE
+    assert max_diff(ours[0].prompt_logprobs, theirs.prompt_logprobs) < TOLERANCE
+    assert ours[0].weights_version == 0
+    trained = ours[1].sequences[0]
+    assert max_diff(lora.trainer_logprobs(model, PROMPT, trained.tokens), trained.logprobs) < TOLERANCE
+    # merged mode: the engine's base weights are a model's once one exists, so the bare base is refused
+    merged.new_model(seed=5)
+    (refused,) = merged.vllm.sample([bare])
+    assert isinstance(refused, ErrorResponse) and refused.code == "base_in_use"

@@ -25,7 +25,8 @@ def _shards(spec: str | None) -> list[int] | None:
 def worker(
     redis_url: RedisUrl = "redis://127.0.0.1:6379/0",
     shards: Annotated[Optional[str], typer.Option(help="comma-separated shard ids; default: every shard")] = None,
-    runtime: Annotated[Optional[str], typer.Option(help="reference | torch | module:factory")] = None,
+    runtime: Annotated[Optional[str], typer.Option(
+        help="auto (torch: a real model) | torch | reference (the test stand-in) | module:factory")] = None,
     engine: Annotated[Optional[str], typer.Option(help="torch runtime's engine: auto | vllm | torch")] = None,
     burst: Annotated[bool, typer.Option(help="exit once the queues are empty")] = False,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING")] = "INFO",

@@ -31,7 +31,8 @@ class RuntimeConfig(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="TINKERQ_", frozen=True)
 
-    runtime: str = Field("reference", description="reference | torch | module:factory")
+    # auto: the torch runtime (a real model). The reference runtime is a stand-in for tests: ask for it.
+    runtime: str = Field("auto", description="auto | torch | reference | module:factory")
     checkpoint_root: str = "./checkpoints"
     # Live weight snapshots per model: a sampling session pinned to an older one gets an explicit error.
     max_snapshots: int = Field(4, ge=1)

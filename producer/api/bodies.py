@@ -1,9 +1,23 @@
-"""JSON bodies the Tinker SDK sends (extra fields are ignored, as the SDK adds some freely)."""
+"""JSON bodies the Tinker SDK sends (extra fields are ignored, as the SDK adds some freely), each able to turn
+itself into the queue request it asks for. A body the queue's schemas refuse raises pydantic's ValidationError,
+which the app answers with a 400 that says why."""
 
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
+from producer.api.errors import ApiError
+from schemas import (
+    AdamParams,
+    CreateModelRequest,
+    LoadStateRequest,
+    LoraConfig,
+    OptimStepRequest,
+    SampleRequest,
+    SamplingParams,
+    SaveStateRequest,
+    WeightSyncRequest,
+)
 from schemas.ids import ID_PATTERN, MODEL_ID_PATTERN
 
 SessionId = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
@@ -39,6 +53,14 @@ class CreateModel(Body):
     base_model: str = Field(min_length=1, max_length=256)
     lora_config: LoraConfigBody = LoraConfigBody()
 
+    @property
+    def model_id(self) -> str:
+        return f"{self.session_id}:train:{self.model_seq_id}"  # as the SDK computes it
+
+    def to_request(self) -> CreateModelRequest:
+        return CreateModelRequest(model_id=self.model_id, base_model=self.base_model,
+                                  lora=LoraConfig(**self.lora_config.model_dump()), seq_id=0)
+
 
 class ModelRef(Body):
     model_id: ModelId
@@ -58,6 +80,10 @@ class OptimStep(Body):
     seq_id: int = Field(ge=0)
     adam_params: AdamParamsBody = AdamParamsBody()
 
+    def to_request(self) -> OptimStepRequest:
+        return OptimStepRequest(model_id=self.model_id, seq_id=self.seq_id,
+                                adam_params=AdamParams(**self.adam_params.model_dump()))
+
 
 class SaveWeightsForSampler(Body):
     model_id: ModelId
@@ -65,11 +91,17 @@ class SaveWeightsForSampler(Body):
     path: Name | None = None
     sampling_session_seq_id: int | None = Field(None, ge=0)
 
+    def to_request(self) -> WeightSyncRequest:
+        return WeightSyncRequest(model_id=self.model_id, name=self.path, seq_id=self.seq_id)
+
 
 class SaveWeights(Body):
     model_id: ModelId
     seq_id: int | None = Field(None, ge=0)
     path: Name
+
+    def to_request(self) -> SaveStateRequest:
+        return SaveStateRequest(model_id=self.model_id, seq_id=self.seq_id, name=self.path)
 
 
 class LoadWeights(Body):
@@ -80,6 +112,14 @@ class LoadWeights(Body):
     model_seq_id: int | None = Field(None, ge=0)
     model_id: ModelId | None = None
     seq_id: int | None = Field(None, ge=0)
+
+    def to_request(self) -> LoadStateRequest:
+        """Into the named model in its seq order (legacy), or create-via-load: the new model's seq 0."""
+        if self.model_id is not None:
+            return LoadStateRequest(model_id=self.model_id, path=self.path, optimizer=self.optimizer,
+                                    seq_id=self.seq_id)
+        return LoadStateRequest(model_id=f"{self.session_id}:train:{self.model_seq_id}", path=self.path,
+                                optimizer=self.optimizer)
 
 
 class CreateSamplingSession(Body):
@@ -120,6 +160,29 @@ class ASample(Body):
     target_prompt_logprobs: Any = None
     prompt_logprobs_last_n: int | None = None
     record_stability_info: bool | None = None
+
+    def to_request(self, sampler: dict[str, str]) -> SampleRequest:
+        """The sample, served from the snapshot of `sampler` (a sampling session's record)."""
+        unsupported = {"topk_sample_logprobs": self.topk_sample_logprobs, "prompt_alt_tokens_k": self.prompt_alt_tokens_k,
+                       "target_prompt_logprobs": self.target_prompt_logprobs,
+                       "prompt_logprobs_last_n": self.prompt_logprobs_last_n}
+        asked = [name for name, value in unsupported.items() if value]
+        if asked:
+            raise ApiError(400, f"not supported by this server: {', '.join(asked)}", "unsupported")
+        if any(chunk.type != "encoded_text" for chunk in self.prompt.chunks):
+            raise ApiError(400, "only encoded_text prompt chunks are supported", "unsupported")
+        params = self.sampling_params
+        if params.max_tokens is None:
+            raise ApiError(400, "sampling_params.max_tokens is required", "invalid_request")
+        return SampleRequest(
+            model_id=sampler["model_id"], weights_version=int(sampler["version"]),
+            base_model=sampler["base_model"] if sampler.get("bare") == "1" else None,
+            prompt_tokens=[t for chunk in self.prompt.chunks for t in chunk.tokens],
+            num_samples=self.num_samples, prompt_logprobs=self.prompt_logprobs,
+            topk_prompt_logprobs=self.topk_prompt_logprobs,
+            sampling_params=SamplingParams(max_tokens=params.max_tokens, seed=params.seed, stop=params.stop,
+                                           temperature=params.temperature, top_k=params.top_k, top_p=params.top_p),
+        )
 
 
 class RetrieveFuture(Body):

@@ -3,17 +3,39 @@
 import math
 
 import numpy as np
+import zstandard
+from fastapi import Request
 from google.protobuf.message import DecodeError
+from pydantic import ValidationError
 from tinker.proto import tinker_public_pb2 as pb
 
-from schemas import Datum, ForwardBackwardOutput, SampleOutput
+from producer.api.errors import ApiError
+from schemas import Datum, ForwardBackwardOutput, ForwardBackwardRequest, ForwardRequest, SampleOutput
 
 _DTYPES = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
 TOPK_EMPTY_LOGPROB = -99999.0
+MEDIA_TYPE = "application/x-protobuf"
 
 
 class BadProto(ValueError):
     """The body is not a usable ForwardBackwardRequest; the message says why."""
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's protobuf body, zstd-decompressed if so encoded (to at most `limit` bytes)."""
+    if MEDIA_TYPE not in request.headers.get("content-type", ""):
+        raise ApiError(415, f"forward_backward takes a {MEDIA_TYPE} body", "unsupported_media_type")
+    body = await request.body()
+    encoding = request.headers.get("content-encoding", "").lower()
+    if encoding == "zstd":
+        try:
+            return zstandard.ZstdDecompressor().decompress(body, max_output_size=limit)
+        except zstandard.ZstdError as exc:
+            raise ApiError(400, f"the zstd body does not decompress (or exceeds {limit} bytes): {exc}",
+                           "invalid_encoding") from exc
+    if encoding not in ("", "identity"):
+        raise ApiError(415, f"unsupported content-encoding {encoding!r}", "unsupported_media_type")
+    return body
 
 
 def parse_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
@@ -23,6 +45,16 @@ def parse_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
     except DecodeError as exc:
         raise BadProto(f"the body is not a ForwardBackwardRequest protobuf: {exc}") from exc
     return message
+
+
+def to_request(message: pb.ForwardBackwardRequest) -> ForwardRequest:
+    """The queue request a forward / forward_backward message asks for."""
+    kind = ForwardRequest if message.forward_only else ForwardBackwardRequest
+    try:
+        return kind(model_id=message.model_id, seq_id=message.seq_id, data=datums(message), loss_fn=message.loss_fn,
+                    loss_fn_config=loss_config(message))
+    except ValidationError as exc:
+        raise ApiError(400, f"invalid forward_backward: {exc}", "invalid_request") from exc
 
 
 def datums(message: pb.ForwardBackwardRequest) -> list[Datum]:

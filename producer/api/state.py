@@ -44,8 +44,10 @@ class ApiState:
         await self.redis.hset(SESSION_PREFIX + session_id, mapping={"status": "finished", "reason": reason})
 
     async def put_sampler(self, sampler_id: str, model_id: str, version: int, base_model: str,
-                          model_path: str | None) -> None:
-        fields = {"model_id": model_id, "version": version, "base_model": base_model, "model_path": model_path or ""}
+                          model_path: str | None, bare: bool = False) -> None:
+        """`bare`: the session samples the base model itself, not a trained model's snapshot."""
+        fields = {"model_id": model_id, "version": version, "base_model": base_model, "model_path": model_path or "",
+                  "bare": int(bare)}
         await self.redis.hset(SAMPLER_PREFIX + sampler_id, mapping=fields)
         await self.redis.expire(SAMPLER_PREFIX + sampler_id, self.ttl_s)
 
@@ -70,6 +72,9 @@ class ApiState:
     async def model_info(self, model_id: str) -> dict | None:
         raw = await self.redis.hget(keys.model_key(model_id, "info"), "json")
         return json.loads(raw) if raw else None
+
+    async def request_exists(self, request_id: str) -> bool:
+        return bool(await self.redis.exists(keys.request_key(request_id)))
 
     async def note(self, request_id: str, note: dict) -> None:
         await self.redis.set(NOTE_PREFIX + request_id, json.dumps(note), ex=self.ttl_s)

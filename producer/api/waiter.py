@@ -13,39 +13,48 @@ log = logging.getLogger(__name__)
 
 
 class AsyncResultWaiter:
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, poll_s: float = 1.0) -> None:
         self.redis = redis
+        self.poll_s = poll_s
         self._events: dict[str, set[asyncio.Event]] = defaultdict(set)
         self._task: asyncio.Task | None = None
+        self._stopping = asyncio.Event()
 
     async def start(self) -> None:
+        self._stopping.clear()
         self._task = asyncio.create_task(self._listen())
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+    async def stop(self, grace_s: float = 2.0) -> None:
+        """Ends the listener within `grace_s` whatever Redis does (frozen, gone, mid-reconnect). The task is
+        cancelled, and also told to stop at its next poll, and neither is waited for beyond the grace period:
+        a cancellation swallowed inside a client read must not hold SIGTERM up."""
+        if self._task is None:
+            return
+        self._stopping.set()
+        self._task.cancel()
+        await asyncio.wait({self._task}, timeout=grace_s)
+        if not self._task.done():
+            log.warning("result listener did not stop within %.0f s; leaving it behind", grace_s)
 
     async def _listen(self) -> None:
         backoff = 0.0
-        while True:
+        while not self._stopping.is_set():
             try:
                 async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
                     await pubsub.subscribe(keys.DONE_CHANNEL)
                     backoff = 0.0
                     self._wake_all()  # whatever landed while we were (re)connecting
-                    async for message in pubsub.listen():
-                        if message["type"] == "message":
+                    while not self._stopping.is_set():
+                        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=self.poll_s)
+                        if message is not None and message["type"] == "message":
                             for event in self._events.get(message["data"].decode(), ()):
                                 event.set()
-            except asyncio.CancelledError:
-                raise
             except Exception as exc:  # noqa: BLE001 - reconnect on any connection trouble
                 if not backoff:
                     log.warning("result listener lost Redis (%s); reconnecting", exc)
                 backoff = min(max(2 * backoff, 0.25), 5.0)
-                await asyncio.sleep(backoff)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), backoff)
 
     def _wake_all(self) -> None:
         for events in self._events.values():

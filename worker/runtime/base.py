@@ -100,6 +100,10 @@ class Engine(ABC):
                 done(key, result)
             items = admit(lambda request: True) if admit else []
 
+    def check_base(self, base_model: str) -> None:
+        """Raise DomainError unless this engine can serve samples of the bare base model (no adapter)."""
+        raise DomainError(400, "unsupported", "this engine does not sample bare base models")
+
     def check_create(self, request: CreateModelRequest) -> None:  # noqa: B027 - optional
         """Raise DomainError if this engine could not serve the model (called before the trainer builds it)."""
 

@@ -112,6 +112,9 @@ class ReferenceEngine(Engine):
     def remove_model(self, model_id: str) -> None:
         self.snapshots.pop(model_id, None)
 
+    def check_base(self, base_model: str) -> None:
+        """The stand-in's base model is the untrained one: step 0."""
+
     def generate(self, requests: list[SampleRequest]) -> list[SampleOutput]:
         self.batches.append(len(requests))
         longest = max(r.sampling_params.max_tokens for r in requests)
@@ -121,7 +124,7 @@ class ReferenceEngine(Engine):
 
     def _one(self, request: SampleRequest) -> SampleOutput:
         version = request.weights_version
-        step = self.snapshots[request.model_id][version]["step"]
+        step = 0 if request.base_model is not None else self.snapshots[request.model_id][version]["step"]
         n = request.sampling_params.max_tokens
         sequence = GeneratedSequence(tokens=[version] * n, logprobs=[-1.0 / (1 + step)] * n, stop_reason="length")
         prompt_logprobs = None

@@ -100,6 +100,9 @@ class Runtime:
 
     def _pin(self, request: SampleRequest) -> SampleRequest:
         """The request with the snapshot it will be served from, or DomainError if it is not held."""
+        if request.base_model is not None:
+            self.engine.check_base(request.base_model)
+            return request.model_copy(update={"weights_version": 0})
         live = self.engine.live_versions(request.model_id)
         wanted = request.weights_version
         if not live:

@@ -14,8 +14,8 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from tinkerq.catalog import BaseModelCatalog, UnknownBaseModel
 from worker.runtime.base import DomainError
-from tinkerq import local_models
 
 BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed batch
 
@@ -69,18 +69,27 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def base_path(catalog: BaseModelCatalog, name: str) -> Path:
+    """The served base's directory, or DomainError 404 for a name the deployment does not serve."""
+    try:
+        return catalog.path(name)
+    except UnknownBaseModel as exc:
+        raise DomainError(404, "unknown_base_model", str(exc)) from exc
+
+
 class BaseModels:
-    def __init__(self, device: str = "auto", dtype: str = "auto") -> None:
+    def __init__(self, device: str = "auto", dtype: str = "auto", catalog: BaseModelCatalog | None = None) -> None:
+        self.catalog = catalog or BaseModelCatalog.from_env()
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self._loaded: dict[str, LoadedBase] = {}
 
+    def loaded(self, name: str) -> LoadedBase | None:
+        return self._loaded.get(name)
+
     def get(self, name: str) -> LoadedBase:
         if name not in self._loaded:
-            try:
-                path = local_models.resolve(name)
-            except ValueError as exc:
-                raise DomainError(404, "unknown_base_model", str(exc)) from exc
+            path = base_path(self.catalog, name)
             tokenizer = AutoTokenizer.from_pretrained(path)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
             self._loaded[name] = LoadedBase(name, path, tokenizer, model, self.device)

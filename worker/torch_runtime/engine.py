@@ -5,7 +5,7 @@ from collections import OrderedDict, defaultdict
 
 from schemas import ErrorResponse, GeneratedSequence, SampleOutput, SampleRequest, TopkLogprobs
 from worker.runtime.base import Admit, Done, Engine, Keyed, check_fits, in_order, servable
-from worker.torch_runtime.bases import BaseModels, LoadedBase, adapter_name
+from worker.torch_runtime.bases import BASE_ADAPTER, BaseModels, LoadedBase, adapter_name
 from worker.torch_runtime.lora_io import LoraWeights, import_adapter
 from worker.torch_runtime.sampler import Row, Sampler
 
@@ -40,6 +40,15 @@ class TorchEngine(Engine):
         for name in self.snapshots.pop(model_id, {}).values():
             base.delete_adapter(name)
 
+    def check_base(self, base_model: str) -> None:
+        self.bases.get(base_model)  # loads it; DomainError for a base this deployment does not serve
+
+    def _base(self, request: SampleRequest, load: bool = True) -> LoadedBase | None:
+        """The base a request samples: its model's, or the bare base it names (loaded unless `load` is off)."""
+        if request.base_model is None:
+            return self.base_of.get(request.model_id)
+        return self.bases.get(request.base_model) if load else self.bases.loaded(request.base_model)
+
     def generate(self, requests: list[SampleRequest]) -> list[SampleOutput | ErrorResponse]:
         return in_order(self.generate_stream, requests)
 
@@ -48,9 +57,9 @@ class TorchEngine(Engine):
         join it between steps, and each request's output goes to `done` as soon as its rows are finished."""
         groups: dict[str, Keyed] = defaultdict(list)
         for key, request in items:
-            groups[self.base_of[request.model_id].name].append((key, request))
+            groups[self._base(request).name].append((key, request))
         for group in groups.values():
-            self._run(self.base_of[group[0][1].model_id], group, done, admit)
+            self._run(self._base(group[0][1]), group, done, admit)
 
     def _run(self, base: LoadedBase, items: Keyed, done: Done, admit: Admit | None) -> None:
         running: dict[str, tuple[SampleRequest, list[Row]]] = {}
@@ -71,21 +80,21 @@ class TorchEngine(Engine):
                     done(key, self._output(request, mine))
 
         def more() -> list[Row]:
-            return rows_of(admit(lambda request: self.base_of.get(request.model_id) is base)) if admit else []
+            return rows_of(admit(lambda request: self._base(request, load=False) is base)) if admit else []
 
         rows = rows_of(items)
         if rows:
             Sampler(base.model, base.tokenizer, base.device).run(rows, more, finished)
 
     def _check(self, request: SampleRequest) -> None:
-        base = self.base_of[request.model_id]
+        base = self._base(request)
         check_fits(request, base.model.config.max_position_embeddings, base.vocab_size)
 
     def _rows(self, key: str, request: SampleRequest) -> list[Row]:
         seed = request.sampling_params.seed
         if seed is None:
             seed = secrets.randbits(62)
-        adapter = self.snapshots[request.model_id][request.weights_version]
+        adapter = BASE_ADAPTER if request.base_model else self.snapshots[request.model_id][request.weights_version]
         want_scores = request.prompt_logprobs or request.topk_prompt_logprobs > 0
         # sample k of a seeded request always gets seed + k; the prompt is scored once, on the first
         return [Row(request.prompt_tokens, adapter, request.sampling_params, seed + k, owner=key,

@@ -3,6 +3,7 @@
 import importlib.util
 from pathlib import Path
 
+from tinkerq.catalog import BaseModelCatalog
 from tinkerq.config import RuntimeConfig
 from worker.runtime.base import Engine
 from worker.runtime.runtime import Runtime
@@ -21,10 +22,10 @@ def make_engine(config: RuntimeConfig, bases: BaseModels) -> Engine:
     if engine_name(config) == "vllm":
         from worker.vllm_runtime.engine import VllmEngine
 
-        return VllmEngine(config)
+        return VllmEngine(config, bases.catalog)
     return TorchEngine(bases, config.max_snapshots)
 
 
 def make_runtime(config: RuntimeConfig) -> Runtime:
-    bases = BaseModels(config.device, config.dtype)
+    bases = BaseModels(config.device, config.dtype, BaseModelCatalog.from_env())
     return Runtime(TorchTrainer(bases, Path(config.checkpoint_root)), make_engine(config, bases))

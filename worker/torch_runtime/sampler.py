@@ -168,8 +168,7 @@ class Sampler:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         want_scores = any(r.want_prompt_scores for r in rows)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         adapter_names=[r.adapter for r in rows], use_cache=True,
-                         logits_to_keep=0 if want_scores else 1)
+                         **self._adapters(rows), use_cache=True, logits_to_keep=0 if want_scores else 1)
         if want_scores:
             self._prompt_scores(rows, out.logits, width)
         generators = [torch.Generator(device=self.device).manual_seed(r.seed) for r in rows]
@@ -190,8 +189,14 @@ class Sampler:
         batch.mask = torch.cat([batch.mask, ones], dim=1)
         batch.last_pos = batch.last_pos + 1
         out = self.model(input_ids=last[:, None], attention_mask=batch.mask, position_ids=batch.last_pos[:, None],
-                         past_key_values=batch.cache, adapter_names=[r.adapter for r in batch.rows], use_cache=True)
+                         past_key_values=batch.cache, **self._adapters(batch.rows), use_cache=True)
         batch.cache, batch.logits = out.past_key_values, out.logits[:, -1].float()
+
+    def _adapters(self, rows: list[Row]) -> dict:
+        """peft's per-row adapters; a base that has none yet is a plain model, and every row is a base row."""
+        from peft import PeftModel
+
+        return {"adapter_names": [r.adapter for r in rows]} if isinstance(self.model, PeftModel) else {}
 
     def _append(self, row: Row, token: int, logprob: float, stop_ids: set[int]) -> None:
         row.tokens.append(token)

@@ -28,10 +28,10 @@ from typing import Any
 import torch
 
 from schemas import CreateModelRequest, ErrorResponse, SampleOutput, SampleRequest
-from tinkerq import local_models
+from tinkerq.catalog import BaseModelCatalog
 from tinkerq.config import RuntimeConfig
 from worker.runtime.base import Admit, Done, DomainError, Engine, Keyed, check_fits, in_order, servable
-from worker.torch_runtime.bases import resolve_device, resolve_dtype
+from worker.torch_runtime.bases import base_path, resolve_device, resolve_dtype
 from worker.torch_runtime.lora_io import LoraWeights, save_adapter
 from worker.vllm_runtime import merge, requests as translate
 
@@ -49,8 +49,9 @@ def configure_environment(config: RuntimeConfig) -> None:
 
 
 class VllmEngine(Engine):
-    def __init__(self, config: RuntimeConfig) -> None:
+    def __init__(self, config: RuntimeConfig, catalog: BaseModelCatalog | None = None) -> None:
         configure_environment(config)
+        self.catalog = catalog or BaseModelCatalog.from_env()
         from worker.vllm_runtime import patches
 
         self.device = resolve_device(config.device)
@@ -84,7 +85,7 @@ class VllmEngine(Engine):
             raise DomainError(409, "base_in_use", f"the vLLM engine merges weights into {request.base_model!r}, "
                               f"which already serves {self.owner[request.base_model]!r}; use vllm_sync=lora "
                               "to serve several models on one base")
-        if self.merged and lora.train_unembed and merge.ties_embeddings(local_models.resolve(request.base_model)):
+        if self.merged and lora.train_unembed and merge.ties_embeddings(self._path(request.base_model)):
             raise DomainError(400, "unsupported", f"{request.base_model!r} ties its embeddings, so a merged "
                               "lm_head adapter cannot be served; use train_unembed=false or vllm_sync=lora")
 
@@ -112,6 +113,15 @@ class VllmEngine(Engine):
     def live_versions(self, model_id: str) -> list[int]:
         return list(self.snapshots.get(model_id, ()))
 
+    def check_base(self, base_model: str) -> None:
+        """The bare base is served with no adapter (batched with adapter samples); in merged mode its engine
+        holds a model's merged weights instead, once one exists."""
+        if self.merged and base_model in self.owner:
+            raise DomainError(409, "base_in_use", f"the vLLM engine of {base_model!r} serves the merged weights of "
+                              f"{self.owner[base_model]!r} (vllm_sync=merged), not the bare base; use vllm_sync=lora "
+                              "to sample base and trained models side by side")
+        self._llm(base_model)
+
     def remove_model(self, model_id: str) -> None:
         base = self.base_of.pop(model_id, None)
         for lora in self.snapshots.pop(model_id, {}).values():
@@ -132,7 +142,7 @@ class VllmEngine(Engine):
         base = self.base_of[model_id]
         directory = Path(self._adapters.name) / f"{next(self._lora_ids)}"
         directory.mkdir()
-        save_adapter(weights, directory, local_models.resolve(base))
+        save_adapter(weights, directory, self._path(base))
         request = LoRARequest(f"{model_id}@{version}", int(directory.name), str(directory))
         self.llms[base].llm_engine.add_lora(request)  # load now: a bad adapter fails the sync, not a sample
         return request
@@ -152,7 +162,7 @@ class VllmEngine(Engine):
 
     def _base_weights(self, base_model: str) -> dict[str, torch.Tensor]:
         if base_model not in self.base_weights:
-            weights = merge.load_base(local_models.resolve(base_model))
+            weights = merge.load_base(self._path(base_model))
             self.base_weights[base_model] = {k: v.to(self.device) for k, v in weights.items()}
         return self.base_weights[base_model]
 
@@ -164,10 +174,7 @@ class VllmEngine(Engine):
     def _build(self, base_model: str) -> Any:
         from vllm import LLM
 
-        try:
-            path = local_models.resolve(base_model)
-        except ValueError as exc:
-            raise DomainError(404, "unknown_base_model", str(exc)) from exc
+        path = self._path(base_model)
         kwargs: dict[str, Any] = dict(model=str(path), dtype=str(self.dtype).removeprefix("torch."), seed=0,
                                       enforce_eager=self._eager(), enable_prefix_caching=True)
         if self.device.type == "cuda":
@@ -176,6 +183,9 @@ class VllmEngine(Engine):
             kwargs.update(enable_lora=True, max_loras=self.config.vllm_max_loras,
                           max_lora_rank=self.config.vllm_max_lora_rank)
         return LLM(**kwargs)
+
+    def _path(self, base_model: str) -> Path:
+        return base_path(self.catalog, base_model)
 
     def _eager(self) -> bool:
         if self.config.vllm_enforce_eager is not None:
@@ -204,7 +214,7 @@ class VllmEngine(Engine):
 
         def add(admitted: Keyed) -> None:
             for key, request, samples in servable(admitted, done, self._checked_params):
-                lora = self.snapshots[request.model_id][request.weights_version]
+                lora = None if request.base_model else self.snapshots[request.model_id][request.weights_version]
                 added = []
                 try:
                     for k, params in enumerate(samples):
@@ -222,7 +232,8 @@ class VllmEngine(Engine):
                 waiting[key] = (request, [None] * len(samples))
 
         def same_call(request: SampleRequest) -> bool:
-            return request.model_id in self.base_of and self._call_key(request) == call_key
+            known = request.base_model is not None or request.model_id in self.base_of
+            return known and self._call_key(request) == call_key
 
         add(items)
         try:
@@ -263,13 +274,16 @@ class VllmEngine(Engine):
     def _call_key(self, request: SampleRequest) -> tuple:
         """One engine call per base; prompt-logprob requests of an adapter get a call of their own, since
         vLLM maps an lm_head adapter per request, not per prompt row (see patches._prompt_logits_lora)."""
-        base = self.base_of[request.model_id]
+        base = self._base_name(request)
         if translate.wants_prompt_scores(request) and not self.merged:
             return base, request.model_id, request.weights_version
         return (base,)
 
+    def _base_name(self, request: SampleRequest) -> str:
+        return request.base_model or self.base_of[request.model_id]
+
     def _check(self, request: SampleRequest) -> None:
-        model_config = self.llms[self.base_of[request.model_id]].llm_engine.model_config
+        model_config = self.llms[self._base_name(request)].llm_engine.model_config
         check_fits(request, model_config.max_model_len, model_config.get_vocab_size())
 
 

@@ -1,0 +1,5 @@
+"""One router per endpoint family of Tinker's HTTP protocol, all under /api/v1."""
+
+from producer.api.routes import futures, sampling, service, sessions, training
+
+ROUTERS = [service.public, service.router, sessions.router, training.router, sampling.router, futures.router]

@@ -1,0 +1,43 @@
+"""Health, metrics, the SDK's start-up handshake, telemetry and server capabilities."""
+
+import asyncio
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from producer.api.deps import Authorized, DepsParam
+
+public = APIRouter(prefix="/api/v1")
+router = APIRouter(prefix="/api/v1", dependencies=Authorized)
+
+
+@public.get("/healthz")
+async def healthz() -> dict:
+    return {"status": "ok"}
+
+
+@public.get("/metrics", include_in_schema=False, response_class=Response)
+async def metrics(deps: DepsParam) -> Response:
+    body = await asyncio.to_thread(generate_latest, deps.metrics.registry)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/client/config")
+async def client_config(deps: DepsParam) -> dict:
+    return {"pjwt_auth_enabled": False, "fwdbwd_max_chunk_len": deps.settings.fwdbwd_max_chunk_len}
+
+
+@router.post("/client/dynamic_config")
+async def dynamic_config() -> dict:
+    return {}
+
+
+@router.post("/telemetry")
+async def telemetry() -> dict:
+    return {"status": "accepted"}
+
+
+@router.get("/get_server_capabilities")
+async def get_server_capabilities(deps: DepsParam) -> dict:
+    return {"supported_models": [deps.catalog.describe(name) for name in deps.catalog.names]}
