@@ -68,14 +68,14 @@ def length_normalized(logprobs, weights):
     nll = -(logprobs * weights).sum(dim=(0,), dtype=torch.float32) / n
     floor = logprobs.new_full((), float("-inf"))
     loss = torch.maximum(nll, floor).clamp(max=100.0)
-    return loss, {"custom/tokens:sum": weights.sum(), "custom/nll:mean": nll.detach()}
+    return loss, {"custom/tokens:sum": weights.to(torch.float64).sum(), "custom/nll:mean": nll.detach()}
 
 
 def sequence_advantage(logprobs, advantage, mask):
     """A rank-0 input, slicing with a computed bound, None/Ellipsis indexing, a boolean mask, where."""
     shifted = logprobs[1 : logprobs.size(0)] - logprobs[: logprobs.shape[0] - 1]
     picked = logprobs[mask > 0]
-    safe = torch.where(mask > 0, logprobs, torch.zeros_like(logprobs))
+    safe = torch.where(mask > 0, logprobs, torch.zeros_like(logprobs, device=logprobs.device))
     expanded = logprobs[..., None][:, 0]
     loss = -(safe * advantage).sum() + 0.01 * (shifted**2).sum() + 0 * expanded.sum() - picked.mean()
     return loss, {"custom/picked:sum": picked.sum().detach()}
