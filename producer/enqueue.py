@@ -36,6 +36,8 @@ JOB_FUNCTIONS: dict[str, str] = {
     "optim_step": "worker.jobs.training_op",
     "save_state": "worker.jobs.training_op",
     "load_state": "worker.jobs.training_op",
+    "create_custom_loss": "worker.jobs.training_op",
+    "delete_checkpoint": "worker.jobs.training_op",
 }
 
 _ID_RE = re.compile(ID_PATTERN)

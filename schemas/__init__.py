@@ -4,8 +4,11 @@ from schemas.ids import ID_PATTERN, MODEL_ID_PATTERN, new_request_id
 from schemas.limits import LimitExceeded, Limits
 from schemas.requests import (
     AdamParams,
+    CreateCustomLossRequest,
     CreateModelRequest,
+    CustomLoss,
     Datum,
+    DeleteCheckpointRequest,
     ForwardBackwardRequest,
     ForwardRequest,
     LoadStateRequest,
@@ -19,12 +22,16 @@ from schemas.requests import (
     parse_request,
 )
 from schemas.results import (
+    CheckpointRecord,
+    CreateCustomLossOutput,
     CreateModelOutput,
     ErrorResponse,
     ForwardBackwardOutput,
+    DeleteCheckpointOutput,
     GeneratedSequence,
     LoadStateOutput,
     OptimStepOutput,
+    RecordedSequence,
     Result,
     SampleOutput,
     SaveStateOutput,
@@ -35,10 +42,10 @@ from schemas.results import (
 
 __all__ = [
     "ID_PATTERN", "MODEL_ID_PATTERN", "new_request_id", "LimitExceeded", "Limits",
-    "AdamParams", "CreateModelRequest", "Datum", "ForwardBackwardRequest", "ForwardRequest",
+    "AdamParams", "CreateCustomLossRequest", "CreateModelRequest", "CustomLoss", "DeleteCheckpointRequest", "Datum", "ForwardBackwardRequest", "ForwardRequest",
     "LoadStateRequest", "LoraConfig", "OptimStepRequest", "Request", "SampleRequest",
     "SamplingParams", "SaveStateRequest", "WeightSyncRequest", "parse_request",
-    "CreateModelOutput", "ErrorResponse", "ForwardBackwardOutput", "GeneratedSequence",
-    "LoadStateOutput", "OptimStepOutput", "Result", "SampleOutput", "SaveStateOutput",
+    "CheckpointRecord", "CreateCustomLossOutput", "DeleteCheckpointOutput", "CreateModelOutput", "ErrorResponse", "ForwardBackwardOutput", "GeneratedSequence",
+    "LoadStateOutput", "OptimStepOutput", "RecordedSequence", "Result", "SampleOutput", "SaveStateOutput",
     "TopkLogprobs", "WeightSyncOutput", "parse_result",
 ]

@@ -11,6 +11,9 @@ ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
 # Tinker model ids look like "<session>:train:<n>"; ':' and '.' are allowed, braces and spaces never.
 MODEL_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
 
+# A sampled sequence: "<sampling session id>:<seq_id>:<index>", the session's id first.
+SEQUENCE_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,200}:[0-9]{1,12}:[0-9]{1,6}$"
+
 RequestId = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
 ModelId = Annotated[str, StringConstraints(pattern=MODEL_ID_PATTERN)]
 
@@ -23,3 +26,8 @@ def base_model_id(base_model: str) -> str:
     """The queue's model id for samples of a bare base model: it routes them, and no client can create it
     (the SDK's model ids are `<session>:train:<n>`)."""
     return "base:" + hashlib.blake2b(base_model.encode(), digest_size=8).hexdigest()
+
+
+def losses_model_id(session_id: str) -> str:
+    """The queue's model id under which a session's custom losses are created (it routes them)."""
+    return f"{session_id}:losses"

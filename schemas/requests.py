@@ -1,10 +1,12 @@
 """Request types: what a producer enqueues and a worker executes."""
 
+import hashlib
+import json
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
-from schemas.ids import ModelId, base_model_id
+from schemas.ids import SEQUENCE_ID_PATTERN, ModelId, base_model_id
 
 
 class _Strict(BaseModel):
@@ -52,6 +54,15 @@ class SampleRequest(_Strict):
     weights_version: int | None = Field(None, ge=0)
     # Set: sample the bare base model (no adapter, version 0), under model_id = base_model_id(base_model).
     base_model: str | None = Field(None, min_length=1, max_length=256)
+    # Set (record_stability_info): the sequence id of each sample, under which the worker records its prompt,
+    # tokens and logprobs for stable_reinforce training to name later.
+    record_as: list[Annotated[str, Field(pattern=SEQUENCE_ID_PATTERN)]] | None = None
+
+    @model_validator(mode="after")
+    def _one_sequence_id_per_sample(self) -> "SampleRequest":
+        if self.record_as is not None and len(self.record_as) != self.num_samples:
+            raise ValueError(f"record_as names {len(self.record_as)} sequences for {self.num_samples} samples")
+        return self
 
     @model_validator(mode="after")
     def _base_sample_routes_by_its_base(self) -> "SampleRequest":
@@ -124,7 +135,51 @@ class Datum(_Strict):
         return self
 
 
-LossFn = Literal["cross_entropy", "importance_sampling", "ppo", "cispo"]
+# Per-token inputs the API fills from a stable_reinforce datum's provenance spans (see producer/api/provenance.py)
+STABLE_MASK = "tq_sampled_mask"  # 1 where the target is a token the named sequence sampled
+STABLE_LOGPROBS = "tq_sampled_logprobs"  # the sampler's own logprob of it, as recorded at sampling time
+
+LossFn = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce", "custom"]
+
+
+class CustomLossInput(_Strict):
+    name: str = Field(pattern=r"^[a-z_][a-z0-9_]{0,63}$")
+    rank: Literal[0, 1, 2]
+
+
+class CustomLoss(_Strict):
+    """A loss the client traced (the SDK's CustomLossGraph) and the inputs it reads, `logprobs` first. It is
+    data: the worker rebuilds it from its own table of allowed operations (torch_runtime/custom_loss.py)."""
+
+    name: str = Field(min_length=1, max_length=128)
+    inputs: list[CustomLossInput] = Field(min_length=1, max_length=16)
+    graph: dict[str, Any]
+
+    @property
+    def loss_id(self) -> str:
+        """Content-addressed: the same traced loss has the same id."""
+        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return "loss-" + hashlib.blake2b(canonical.encode(), digest_size=12).hexdigest()
+
+
+CHECKPOINT_ID_PATTERN = r"^(weights|sampler_weights)/[A-Za-z0-9_.-]{1,128}$"
+
+
+class DeleteCheckpointRequest(_TrainingOp):
+    """Delete one of the model's saved checkpoints ("weights/<name>" or "sampler_weights/<name>")."""
+
+    kind: Literal["delete_checkpoint"] = "delete_checkpoint"
+    checkpoint_id: str = Field(pattern=CHECKPOINT_ID_PATTERN)
+
+
+class CreateCustomLossRequest(_Strict):
+    """Check a custom loss on a worker (it compiles it) before forward_backward(loss_fn="custom") uses it.
+    Routed by `model_id` = losses_model_id(session), runs in queue order."""
+
+    kind: Literal["create_custom_loss"] = "create_custom_loss"
+    model_id: ModelId
+    loss: CustomLoss
+    seq_id: None = None
 
 
 class ForwardRequest(_TrainingOp):
@@ -132,6 +187,14 @@ class ForwardRequest(_TrainingOp):
     data: list[Datum] = Field(min_length=1)
     loss_fn: LossFn = "cross_entropy"
     loss_fn_config: dict[str, float] = Field(default_factory=dict)
+    # loss_fn="custom": the loss (as created by create_custom_loss), carried along so the job is self-contained
+    custom_loss: CustomLoss | None = None
+
+    @model_validator(mode="after")
+    def _custom_loss_given_for_custom(self) -> "ForwardRequest":
+        if (self.loss_fn == "custom") != (self.custom_loss is not None):
+            raise ValueError("loss_fn 'custom' comes with its custom_loss, and only it does")
+        return self
 
 
 class ForwardBackwardRequest(ForwardRequest):
@@ -175,6 +238,8 @@ Request = Annotated[
         OptimStepRequest,
         SaveStateRequest,
         LoadStateRequest,
+        CreateCustomLossRequest,
+        DeleteCheckpointRequest,
     ],
     Field(discriminator="kind"),
 ]

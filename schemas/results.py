@@ -96,6 +96,24 @@ class LoadStateOutput(_Out):
     lora_rank: int | None = None
 
 
+class CreateCustomLossOutput(_Out):
+    type: Literal["create_custom_loss"] = "create_custom_loss"
+    loss_id: str
+
+
+class DeleteCheckpointOutput(_Out):
+    type: Literal["delete_checkpoint"] = "delete_checkpoint"
+    checkpoint_id: str
+    deleted: bool  # False: it was not there (deleted before, or never saved)
+
+
+class CheckpointRecord(_Out):
+    """What the worker registers of a saved checkpoint, for the REST API's listings."""
+
+    time: float
+    size_bytes: int | None = None
+
+
 class ErrorResponse(_Out):
     type: Literal["error"] = "error"
     error: str
@@ -117,6 +135,8 @@ Result = Annotated[
         OptimStepOutput,
         SaveStateOutput,
         LoadStateOutput,
+        CreateCustomLossOutput,
+        DeleteCheckpointOutput,
         ErrorResponse,
     ],
     Field(discriminator="type"),
@@ -127,3 +147,11 @@ _RESULT_ADAPTER: TypeAdapter[Result] = TypeAdapter(Result)
 
 def parse_result(raw: str | bytes) -> Result:
     return _RESULT_ADAPTER.validate_json(raw)
+
+
+class RecordedSequence(_Out):
+    """What a sampler records of one sequence when asked to (record_stability_info): what stable_reinforce
+    training reads back through the datum's provenance spans."""
+
+    tokens: list[int]
+    logprobs: list[float]

@@ -377,3 +377,30 @@ def test_the_app_stops_within_seconds_whatever_redis_does(config, outage):
         if server.process.poll() is None:
             server.process.send_signal(signal.SIGCONT)
         server.stop()
+
+
+def test_a_training_op_refused_at_submit_does_not_hold_up_the_next(api, drain):
+    """The SDK counts a seq_id whether or not the server accepts the op: a refused one must not leave a gap
+    that the model's next op waits in (until seq_gap_timeout fails it)."""
+    model_id = model(api, drain)
+    bad = post(api, "optim_step", {"model_id": model_id, "seq_id": 1, "adam_params": {"beta1": 2.0}})
+    assert bad.status_code == 400 and "beta1" in bad.json()["error"]  # a clear 400, not a plain-text 500
+    good = post(api, "optim_step", {"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 0.1}})
+    drain()
+    answer = post(api, "retrieve_future", {"request_id": good.json()["request_id"]}).json()
+    assert answer.get("metrics", {}).get("step:max") == 1.0, answer
+
+
+def test_a_lora_config_that_trains_nothing_is_a_clear_400(api):
+    sid = session(api)
+    off = {"train_mlp": False, "train_attn": False, "train_unembed": False}
+    response = post(api, "create_model", {"session_id": sid, "model_seq_id": 0, "base_model": "tinyq-micro",
+                                          "lora_config": {"rank": 4, **off}})
+    assert response.status_code == 400 and "train_mlp" in response.json()["error"]
+
+
+def test_unknown_routes_and_methods_answer_in_the_api_error_body(api):
+    for response in (api.get("/api/v1/no_such_route", headers=KEY), api.post("/nowhere", headers=KEY),
+                     api.get("/api/v1/create_session", headers=KEY)):
+        assert response.status_code in (404, 405) and response.json()["error"], response.text
+        assert response.json()["code"] in ("unknown_route", "method_not_allowed")

@@ -1,6 +1,7 @@
 """The real `tinker` SDK (pinned in pyproject) drives the system unmodified: API, worker and Redis
 as separate processes, the tiny local model, the flow of a Tinker user."""
 
+import dataclasses
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -172,3 +173,170 @@ def test_an_rl_loop_in_the_style_of_the_cookbook_learns(stack):
         rewards_per_step.append(float(np.mean(rewards)))
     first, last = np.mean(rewards_per_step[:3]), np.mean(rewards_per_step[-3:])
     assert last > first + 0.2, rewards_per_step
+
+
+def provenance_datum(prompt: list[int], seq, advantage: float) -> types.Datum:
+    """As tinker-cookbook's recipes/rl_loop.py builds a stable_reinforce datum (with_sampled_provenance)."""
+    tokens = list(seq.tokens)
+    pad = [0.0] * (len(prompt) - 1)
+    base = datum(prompt, tokens, logprobs=np.array(pad + list(seq.logprobs), dtype=np.float32),
+                 advantages=np.array(pad + [advantage] * len(tokens), dtype=np.float32))
+    return base.with_provenance(
+        model_input=[types.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=len(prompt)),
+                     types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(tokens) - 1)],
+        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=len(prompt) - 1),
+                        types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(tokens))])
+
+
+def test_every_sdk_loss_and_base_model_sampling(stack):
+    client, _ = stack
+    trainer = client.create_lora_training_client(base_model=BASE, rank=8, seed=0)
+    params = types.SamplingParams(max_tokens=6, seed=1)
+    recorded = trainer.save_weights_and_get_sampling_client(record_stability_info=True)
+    out = recorded.sample(prompt=types.ModelInput.from_ints(PROMPT), num_samples=3, sampling_params=params).result()
+    advantages = [1.0, -0.5, 0.25]
+    data = [provenance_datum(PROMPT, seq, a) for seq, a in zip(out.sequences, advantages)]
+
+    # stable_reinforce: what the loss reads of the sampler was recorded at sampling time
+    fb = trainer.forward_backward(data, "stable_reinforce", {"kl_coeff": 0.5}).result()
+    expected = 0.0
+    for seq, adv, result in zip(out.sequences, advantages, fb.loss_fn_outputs):
+        p = np.asarray(result["logprobs"].data)[len(PROMPT) - 1:]
+        q = np.asarray(seq.logprobs)
+        w = np.minimum(np.exp(p - q), 2.0)
+        expected -= float(np.sum(w * adv * p - 0.25 * (p - q) ** 2))
+    assert fb.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4, abs=1e-4)
+
+    # a sequence sampled without record_stability_info, tokens that are not the sequence's, no spans: clear 400s
+    plain = trainer.save_weights_and_get_sampling_client()
+    unrecorded = plain.sample(prompt=types.ModelInput.from_ints(PROMPT), num_samples=1, sampling_params=params)
+    wrong = provenance_datum(PROMPT, out.sequences[0], 1.0)
+    wrong = dataclasses.replace(wrong, loss_fn_inputs={**wrong.loss_fn_inputs, "target_tokens": np.array(
+        PROMPT[1:] + [(t + 1) % 2000 for t in out.sequences[0].tokens], dtype=np.int64)})
+    for bad, says in ((provenance_datum(PROMPT, unrecorded.result().sequences[0], 1.0), "no recorded sequence"),
+                      (wrong, "are not the tokens"), (sft_data()[0], "needs loss_fn_input_spans")):
+        with pytest.raises(tinker.BadRequestError, match=says):
+            trainer.forward_backward([bad], "stable_reinforce").result()
+
+    # dro needs its beta; gspo its sequence_ratio_mask
+    rl = [datum(PROMPT, list(s.tokens), logprobs=np.array([0.0] * 4 + list(s.logprobs), dtype=np.float32),
+                advantages=np.array([0.0] * 4 + [a] * len(s.tokens), dtype=np.float32),
+                sequence_ratio_mask=np.array([0.0] * 4 + [1.0] * len(s.tokens), dtype=np.float32))
+          for s, a in zip(out.sequences, advantages)]
+    assert np.isfinite(trainer.forward_backward(rl, "dro", {"beta": 0.05}).result().metrics["loss:sum"])
+    assert np.isfinite(trainer.forward_backward(rl, "gspo").result().metrics["loss:sum"])
+    with pytest.raises(tinker.RequestFailedError, match="beta"):
+        trainer.forward_backward(rl, "dro").result()
+
+    # forward_backward_custom (the SDK's client-side path: a forward, then a weighted cross_entropy)
+    def neg_ll(batch, logprobs):
+        loss = sum(-(lp * torch.tensor(d.loss_fn_inputs["advantages"].data)).sum() for d, lp in zip(batch, logprobs))
+        return loss, {"custom:sum": float(loss)}
+
+    import torch
+
+    custom = trainer.forward_backward_custom(rl, neg_ll).result()
+    assert np.isfinite(custom.metrics["loss:sum"])
+
+    # the bare base model: what a fresh (untrained, LoRA B = 0) model's forward computes
+    trainer.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    base = client.create_sampling_client(base_model=BASE)
+    fresh = client.create_lora_training_client(base_model=BASE, rank=4)
+    probe = PROMPT + [40, 41, 42]
+    base_lps = base.compute_logprobs(types.ModelInput.from_ints(probe)).result()
+    fresh_lps = np.asarray(fresh.forward([datum(probe[:1], probe[1:])], "cross_entropy").result()
+                           .loss_fn_outputs[0]["logprobs"].data)
+    assert np.allclose(base_lps[1:], fresh_lps, atol=1e-4)
+    trained = trainer.save_weights_and_get_sampling_client().compute_logprobs(
+        types.ModelInput.from_ints(probe)).result()
+    assert not np.allclose(trained[1:], base_lps[1:], atol=1e-3)
+
+
+def test_a_custom_loss_traced_by_the_sdk_runs_on_the_server(stack):
+    """With custom_loss_server_side (this server's client/config), create_custom_loss uploads the traced graph
+    and forward_backward_custom is one forward_backward(loss_fn="custom"): the same numbers as running the
+    same function on the client's side (the SDK's own two-pass path, used for a plain callable)."""
+    import torch
+
+    client, _ = stack
+    trainer = client.create_lora_training_client(base_model=BASE, rank=8, seed=0)
+
+    def clipped_ratio(logprobs, advantages, logprobs_ref):
+        ratio = torch.exp(logprobs - logprobs_ref)
+        loss = -torch.minimum(ratio * advantages, torch.clamp(ratio, 0.5, 1.5) * advantages).sum()
+        return loss, {"custom/clipped_ratio:sum": loss, "custom/ratio:mean": ratio.mean()}
+
+    handle = client.create_custom_loss(clipped_ratio, {"logprobs": 1, "advantages": 1, "logprobs_ref": 1}).result()
+    assert handle.loss_id
+    completion = [40, 41, 42, 43]
+    n = len(PROMPT) - 1 + len(completion)
+    data = [datum(PROMPT, completion, advantages=np.linspace(-1, 1, n, dtype=np.float32),
+                  logprobs_ref=np.full(n, -7.0, dtype=np.float32)) for _ in range(2)]
+
+    def plain(batch, logprobs):  # the same loss as a callable: the SDK runs it on the client side
+        total, ratio_mean = 0.0, 0.0
+        for d, lp in zip(batch, logprobs):
+            adv = torch.tensor(d.loss_fn_inputs["advantages"].data)
+            ref = torch.tensor(d.loss_fn_inputs["logprobs_ref"].data)
+            loss, metrics = clipped_ratio(lp, adv, ref)
+            total, ratio_mean = total + loss, ratio_mean + metrics["custom/ratio:mean"] / len(batch)
+        return total, {"custom/clipped_ratio:sum": float(total), "custom/ratio:mean": float(ratio_mean)}
+
+    on_server = trainer.forward_backward_custom(data, handle).result()
+    on_client = trainer.forward_backward_custom(data, plain).result()
+    for key in ("loss:sum", "custom/clipped_ratio:sum", "custom/ratio:mean"):
+        assert on_server.metrics[key] == pytest.approx(on_client.metrics[key], rel=1e-5), key
+
+    forged = {"format": 1, "nodes": [{"op": "placeholder", "name": "logprobs", "target": "logprobs"},
+                                     {"op": "call_function", "name": "boom", "target": "os.system",
+                                      "args": ["true"], "kwargs": {}},
+                                     {"op": "output", "name": "output", "target": "output",
+                                      "args": [{"tuple": [{"ref": "boom"}, {"dict": {}}]}], "kwargs": {}}]}
+    import httpx
+
+    api = stack[1]
+    session_id = trainer.model_id.split(":")[0]
+    sent = httpx.post(f"{api.url}/api/v1/create_custom_loss", json={
+        "session_id": session_id, "custom_loss_seq_id": 99, "name": "forged",
+        "inputs": [{"name": "logprobs", "rank": 1}], "graph": forged, "type": "create_custom_loss"})
+    refused = httpx.post(f"{api.url}/api/v1/retrieve_future", json={"request_id": sent.json()["request_id"]},
+                         timeout=40).json()
+    assert "os.system" in refused["error"] and refused["category"] == "user"
+
+
+def test_the_rest_client_sees_runs_checkpoints_and_sessions(stack):
+    import time
+
+    client, _ = stack
+    trainer = client.create_lora_training_client(base_model=BASE, rank=8, seed=0,
+                                                 user_metadata={"renderer_name": "role_colon"})
+    state = trainer.save_state("s1").result().path
+    sampler_path = trainer.save_weights_for_sampler("w1").result().path
+    rest = client.create_rest_client()
+    run = rest.get_training_run(trainer.model_id).result()
+    assert (run.base_model, run.lora_rank, run.is_lora) == (BASE, 8, True)
+    assert run.user_metadata == {"renderer_name": "role_colon"}  # what the cookbook reads back on resume
+    assert run.last_checkpoint.tinker_path == state and run.last_sampler_checkpoint.tinker_path == sampler_path
+    assert rest.get_training_run_by_tinker_path(state).result().training_run_id == trainer.model_id
+    listed = rest.list_checkpoints(trainer.model_id).result().checkpoints
+    assert sorted(c.checkpoint_id for c in listed) == ["sampler_weights/w1", "weights/s1"]
+    assert all(c.size_bytes and c.size_bytes > 0 for c in listed)
+    info = rest.get_weights_info_by_tinker_path(state).result()
+    assert (info.base_model, info.lora_rank, info.train_unembed) == (BASE, 8, True)
+    assert trainer.model_id in [r.training_run_id for r in rest.list_training_runs().result().training_runs]
+    session_id = trainer.model_id.split(":")[0]
+    assert trainer.model_id in rest.get_session(session_id).result().training_run_ids
+    assert session_id in rest.list_sessions().result().sessions
+
+    rest.delete_checkpoint_from_tinker_path(state).result()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(rest.list_checkpoints(trainer.model_id).result().checkpoints) > 1:
+        time.sleep(0.2)
+    assert [c.checkpoint_id for c in rest.list_checkpoints(trainer.model_id).result().checkpoints] == \
+        ["sampler_weights/w1"]
+    with pytest.raises(tinker.RequestFailedError, match="checkpoint_not_found"):  # the archive is gone
+        client.create_training_client_from_state(state).result()
+    with pytest.raises(tinker.NotFoundError):
+        rest.get_training_run("nobody:train:0").result()
+    with pytest.raises(tinker.BadRequestError, match="not published"):
+        rest.publish_checkpoint_from_tinker_path(sampler_path).result()

@@ -53,3 +53,43 @@ def held_deadlines_key(shard: int) -> str:
 def inflight_key(shard: int) -> str:
     """Sample jobs a worker took out of the queue to serve in one batch (recovery requeues them)."""
     return f"{PREFIX}:shard:{shard}:inflight"
+
+
+def stability_key(sequence_id: str) -> tuple[str, str]:
+    """Where a recorded sequence lives: one hash per sample request ("<sampler>:<seq_id>", the field "prompt"
+    holds its prompt), a field per sample index."""
+    group, _, index = sequence_id.rpartition(":")
+    return f"{PREFIX}:stab:{group}", index
+
+
+def custom_loss_key(session_id: str, loss_id: str) -> str:
+    return f"{PREFIX}:closs:{session_id}:{loss_id}"
+
+
+# -- what the API remembers between calls (its processes are stateless) --------------------------------
+
+def session_key(session_id: str) -> str:
+    return f"{PREFIX}:session:{session_id}"
+
+
+def session_index_key(session_id: str, kind: str) -> str:
+    """The training runs ("runs") or sampling sessions ("samplers") a session made."""
+    return f"{PREFIX}:session:{session_id}:{kind}"
+
+
+SESSIONS_KEY = f"{PREFIX}:sessions"  # every session, by creation time
+RUNS_KEY = f"{PREFIX}:runs"  # every training run (model), by creation time
+
+
+def run_key(model_id: str) -> str:
+    """What the API keeps of a training run: its session, base, LoRA config, user metadata, last request."""
+    return model_key(model_id, "run")
+
+
+def sampler_key(sampler_id: str) -> str:
+    return f"{PREFIX}:sampler:{sampler_id}"
+
+
+def note_key(request_id: str) -> str:
+    """Which Tinker response a stored result becomes (a sync's path or sampling session id)."""
+    return f"{PREFIX}:api:{request_id}"

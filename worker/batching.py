@@ -133,13 +133,13 @@ class EngineRun:
         self.other_queue_keys = other_queue_keys
         self.max_requests = max_requests
         self.admit_until = time.monotonic() + admit_s
-        self.models: dict[str, str] = {}  # request id -> model id, of every request taken in
+        self.requests: dict[str, SampleRequest] = {}  # request id -> request, of every request taken in
         self.unfinished: dict[str, Claimed] = {}
         self.served: set[str] = set()
         self._to_finish: list[Claimed] = []  # served, not yet marked FINISHED in RQ
 
     def start(self, request_id: str, request: SampleRequest) -> list[tuple[str, SampleRequest]]:
-        self.models[request_id] = request.model_id
+        self.requests[request_id] = request
         return [(request_id, request)] + self._take(self.batcher.claim(self.queue_key, self.shard,
                                                                         self.max_requests - 1))
 
@@ -175,7 +175,7 @@ class EngineRun:
     def _take(self, claimed: list[Claimed]) -> list[tuple[str, SampleRequest]]:
         for item in claimed:
             self.unfinished[item.request_id] = item
-            self.models[item.request_id] = item.request.model_id
+            self.requests[item.request_id] = item.request
         return [(item.request_id, item.request) for item in claimed]
 
 

@@ -2,6 +2,8 @@
 
 import json
 import logging
+import os
+import time
 from typing import Any
 
 from pydantic import ValidationError
@@ -10,12 +12,16 @@ from rq import Queue
 from rq.job import Job
 
 from schemas import (
+    CheckpointRecord,
     CreateModelOutput,
+    DeleteCheckpointOutput,
     ErrorResponse,
     LoadStateOutput,
     Request,
     Result,
+    SampleOutput,
     SampleRequest,
+    SaveStateOutput,
     WeightSyncOutput,
     parse_request,
 )
@@ -26,6 +32,7 @@ from worker import batching
 from worker.fencing import Fence, FencedOut
 from worker.runtime import DomainError, Runtime
 from worker.sequencing import Sequencer
+from worker.stability import StabilityRecords
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +52,7 @@ class Dispatcher:
         self.fence = fence
         self.config = config
         self.batcher = batching.Batcher(connection, config.rq_result_ttl_s)
+        self.stability = StabilityRecords(connection, config.stability_ttl_s)
         self.sequencer = Sequencer(connection, fence, config.seq_gap_timeout_s, self._execute, self.finish)
 
     def finish(self, shard: int, request_id: str, result: Result) -> bool:
@@ -106,7 +114,24 @@ class Dispatcher:
         elif isinstance(result, (CreateModelOutput, LoadStateOutput)):
             info = {"base_model": result.base_model, "lora_rank": result.lora_rank}
             self.fence.hset(shard, keys.model_key(result.model_id, "info"), "json", json.dumps(info))
+        self._register_checkpoint(shard, request, result)
         self.finish(shard, rid, result)
+
+    def _register_checkpoint(self, shard: int, request: Request, result: Result) -> None:
+        """Saved and deleted checkpoints, for the REST API's listings (fenced, like every authoritative write)."""
+        registry = keys.model_key(request.model_id, "checkpoints")
+        if isinstance(result, DeleteCheckpointOutput):
+            self.fence.hdel(shard, registry, result.checkpoint_id)
+            return
+        if isinstance(result, SaveStateOutput):
+            checkpoint, path = f"weights/{request.name}", result.path
+        elif isinstance(result, WeightSyncOutput) and result.path is not None and result.applied:
+            checkpoint, path = f"sampler_weights/{request.name}", result.path
+        else:
+            return
+        size = os.path.getsize(path) if os.path.exists(path) else None
+        record = CheckpointRecord(time=time.time(), size_bytes=size)
+        self.fence.hset(shard, registry, checkpoint, record.model_dump_json())
 
     def _publish_sync(self, shard: int, result: WeightSyncOutput) -> None:
         """Record the applied version, and register a persisted snapshot's path (both fenced)."""
@@ -121,7 +146,10 @@ class Dispatcher:
                                  self.config.batch_admit_s, others, job.worker_name)
 
         def done(each_rid: str, result: Result) -> None:
-            self.finish(shard, each_rid, self._state_lost(run.models[each_rid], result))
+            each = run.requests[each_rid]
+            if isinstance(result, SampleOutput):
+                self.stability.record(each, result)
+            self.finish(shard, each_rid, self._state_lost(each.model_id, result))
             run.finished(each_rid)
 
         try:
@@ -137,7 +165,7 @@ class Dispatcher:
             raise
         finally:
             run.flush()
-        return {"request_id": rid, "type": "sample", "batch": len(run.models)}
+        return {"request_id": rid, "type": "sample", "batch": len(run.requests)}
 
     def _state_lost(self, model_id: str, result: Result) -> Result:
         """`unknown_model` for a model that Redis knows was created: its state lived in the memory of a worker

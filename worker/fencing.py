@@ -53,6 +53,14 @@ return 1
 """
 
 
+# KEYS: lease, hash. ARGV: token, field.
+_HDEL = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+redis.call('HDEL', KEYS[2], ARGV[2])
+return 1
+"""
+
+
 class FencedOut(RuntimeError):
     """This worker no longer owns the shard; its write was refused."""
 
@@ -71,6 +79,7 @@ class Fence:
         self._put_result = connection.register_script(_PUT_RESULT)
         self._set_counter = connection.register_script(_SET_COUNTER)
         self._hset = connection.register_script(_HSET)
+        self._hdel = connection.register_script(_HDEL)
 
     def acquire(self, shards: list[int]) -> list[int]:
         """Try to take each free shard; return the ones newly taken."""
@@ -126,4 +135,8 @@ class Fence:
 
     def hset(self, shard: int, key: str, field: str, value: str) -> None:
         if self._hset(keys=[keys.lease_key(shard), key], args=[self._token(shard), field, value]) == -1:
+            raise FencedOut(f"lost the lease on shard {shard}; {key} not written")
+
+    def hdel(self, shard: int, key: str, field: str) -> None:
+        if self._hdel(keys=[keys.lease_key(shard), key], args=[self._token(shard), field]) == -1:
             raise FencedOut(f"lost the lease on shard {shard}; {key} not written")

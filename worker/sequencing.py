@@ -37,7 +37,17 @@ class Sequencer:
         self.finish = finish
 
     def last_seq(self, model_id: str) -> int:
-        return int(self.connection.get(keys.model_key(model_id, "seq")) or 0)
+        """The last seq_id that took its turn: run here, or refused by the API at submit (it never reached the
+        queue, but the client counted it, so later ops must not wait for it)."""
+        with self.connection.pipeline(transaction=False) as pipe:
+            pipe.get(keys.model_key(model_id, "seq"))
+            pipe.smembers(keys.model_key(model_id, "refused"))
+            last, refused = pipe.execute()
+        last = int(last or 0)
+        skipped = {int(s) for s in refused}
+        while last + 1 in skipped:
+            last += 1
+        return last
 
     def submit(self, shard: int, rid: str, request: Request) -> str:
         """Run the op now, or hold it. Returns what happened: "ran", "held" or "rejected"."""
@@ -109,7 +119,10 @@ class Sequencer:
                 log.exception("parked op %s failed; its error result is stored", rid)
 
     def sweep(self, shard: int) -> None:
-        """Answer parked ops whose gap did not fill in time, and let their models move on."""
+        """Run parked ops whose gap a refusal at submit closed, answer those whose gap did not fill in time, and
+        let their models move on."""
+        for member in self.connection.zrange(keys.held_deadlines_key(shard), 0, -1):
+            self.drain(shard, member.decode().split("|", 1)[1])
         expired = self.connection.zrangebyscore(keys.held_deadlines_key(shard), "-inf", time.time())
         for member in expired:
             rid, model_id = member.decode().split("|", 1)

@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from producer.api.errors import ApiError
 from schemas import (
     AdamParams,
+    CreateCustomLossRequest,
+    CustomLoss,
     CreateModelRequest,
     LoadStateRequest,
     LoraConfig,
@@ -18,7 +20,7 @@ from schemas import (
     SaveStateRequest,
     WeightSyncRequest,
 )
-from schemas.ids import ID_PATTERN, MODEL_ID_PATTERN
+from schemas.ids import ID_PATTERN, MODEL_ID_PATTERN, losses_model_id
 
 SessionId = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
 ModelId = Annotated[str, StringConstraints(pattern=MODEL_ID_PATTERN)]
@@ -33,6 +35,11 @@ class Body(BaseModel):
 
 class SessionRef(Body):
     session_id: SessionId
+
+
+class CreateSession(Body):
+    user_metadata: dict[str, Any] | None = None
+    display_name: str | None = Field(None, max_length=256)
 
 
 class FinishSession(Body):
@@ -52,6 +59,7 @@ class CreateModel(Body):
     model_seq_id: int = Field(ge=0)
     base_model: str = Field(min_length=1, max_length=256)
     lora_config: LoraConfigBody = LoraConfigBody()
+    user_metadata: dict[str, Any] | None = None
 
     @property
     def model_id(self) -> str:
@@ -112,6 +120,7 @@ class LoadWeights(Body):
     model_seq_id: int | None = Field(None, ge=0)
     model_id: ModelId | None = None
     seq_id: int | None = Field(None, ge=0)
+    user_metadata: dict[str, Any] | None = None
 
     def to_request(self) -> LoadStateRequest:
         """Into the named model in its seq order (legacy), or create-via-load: the new model's seq 0."""
@@ -120,6 +129,25 @@ class LoadWeights(Body):
                                     seq_id=self.seq_id)
         return LoadStateRequest(model_id=f"{self.session_id}:train:{self.model_seq_id}", path=self.path,
                                 optimizer=self.optimizer)
+
+
+class CustomLossInputBody(Body):
+    name: str
+    rank: int
+
+
+class CreateCustomLoss(Body):
+    session_id: SessionId
+    custom_loss_seq_id: int = Field(ge=0)
+    name: str = Field(min_length=1, max_length=128)
+    inputs: list[CustomLossInputBody] = Field(min_length=1, max_length=16)
+    graph: dict[str, Any]
+
+    def to_loss(self) -> CustomLoss:
+        return CustomLoss(name=self.name, inputs=[i.model_dump() for i in self.inputs], graph=self.graph)
+
+    def to_request(self, loss: CustomLoss) -> CreateCustomLossRequest:
+        return CreateCustomLossRequest(model_id=losses_model_id(self.session_id), loss=loss)
 
 
 class CreateSamplingSession(Body):
@@ -161,6 +189,11 @@ class ASample(Body):
     prompt_logprobs_last_n: int | None = None
     record_stability_info: bool | None = None
 
+    @property
+    def sequence_ids(self) -> list[str]:
+        """One id per sample, in result order (the SDK's SampledSequence.sequence_id)."""
+        return [f"{self.sampling_session_id}:{self.seq_id}:{i}" for i in range(self.num_samples)]
+
     def to_request(self, sampler: dict[str, str]) -> SampleRequest:
         """The sample, served from the snapshot of `sampler` (a sampling session's record)."""
         unsupported = {"topk_sample_logprobs": self.topk_sample_logprobs, "prompt_alt_tokens_k": self.prompt_alt_tokens_k,
@@ -180,6 +213,7 @@ class ASample(Body):
             prompt_tokens=[t for chunk in self.prompt.chunks for t in chunk.tokens],
             num_samples=self.num_samples, prompt_logprobs=self.prompt_logprobs,
             topk_prompt_logprobs=self.topk_prompt_logprobs,
+            record_as=self.sequence_ids if self.record_stability_info else None,
             sampling_params=SamplingParams(max_tokens=params.max_tokens, seed=params.seed, stop=params.stop,
                                            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p),
         )

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from tinker.proto import tinker_public_pb2 as pb
 
 from producer.api.errors import ApiError
-from schemas import Datum, ForwardBackwardOutput, ForwardBackwardRequest, ForwardRequest, SampleOutput
+from schemas import CustomLoss, Datum, ForwardBackwardOutput, ForwardBackwardRequest, ForwardRequest, SampleOutput
 
 _DTYPES = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
 TOPK_EMPTY_LOGPROB = -99999.0
@@ -47,12 +47,14 @@ def parse_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
     return message
 
 
-def to_request(message: pb.ForwardBackwardRequest) -> ForwardRequest:
-    """The queue request a forward / forward_backward message asks for."""
+def to_request(message: pb.ForwardBackwardRequest, data: list[Datum] | None = None,
+               custom: CustomLoss | None = None) -> ForwardRequest:
+    """The queue request a forward / forward_backward message asks for (with `data` for its datums and the
+    `custom` loss that loss_fn="custom" names, if given)."""
     kind = ForwardRequest if message.forward_only else ForwardBackwardRequest
     try:
-        return kind(model_id=message.model_id, seq_id=message.seq_id, data=datums(message), loss_fn=message.loss_fn,
-                    loss_fn_config=loss_config(message))
+        return kind(model_id=message.model_id, seq_id=message.seq_id, data=data or datums(message),
+                    loss_fn=message.loss_fn, loss_fn_config=loss_config(message), custom_loss=custom)
     except ValidationError as exc:
         raise ApiError(400, f"invalid forward_backward: {exc}", "invalid_request") from exc
 
@@ -92,10 +94,21 @@ def _tensor(index: int, name: str, tensor: pb.Tensor, length: int) -> list[float
     return values.astype(np.float64).tolist()
 
 
+def custom_loss_id(message: pb.ForwardBackwardRequest) -> str:
+    """The id a loss_fn="custom" request names (loss_fn_config {"loss_id": ...}, from create_custom_loss)."""
+    value = message.loss_fn_config_v2.get("loss_id")
+    if value is None or value.WhichOneof("value") != "text":
+        raise BadProto("loss_fn 'custom' needs loss_fn_config['loss_id'], the id create_custom_loss returned")
+    return value.text
+
+
 def loss_config(message: pb.ForwardBackwardRequest) -> dict[str, float]:
+    """The numeric loss config (a custom loss's id is not part of it)."""
     if message.loss_fn_config_v2:
         config = {}
         for key, value in message.loss_fn_config_v2.items():
+            if key == "loss_id" and message.loss_fn == "custom":
+                continue
             kind = value.WhichOneof("value")
             try:
                 config[key] = value.number if kind == "number" else float(value.text)

@@ -26,6 +26,8 @@ def render(result: Result, note: dict) -> Response | dict:
                     "sampling_session_id": note.get("sampling_session_id")}
         case "save_state":
             return {"path": note["path"], "type": "save_weights"}
+        case "create_custom_loss":
+            return {"loss_id": result.loss_id, "type": "create_custom_loss"}
         case "load_state":
             return {"model_id": result.model_id, "path": result.path, "type": "load_weights"}
     raise ApiError(500, f"cannot render a {result.type} result", "internal_error")

@@ -2,10 +2,12 @@
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from schemas import (
     CreateModelOutput,
+    CustomLoss,
     CreateModelRequest,
     ErrorResponse,
     ForwardBackwardOutput,
@@ -115,6 +117,9 @@ class Engine(ABC):
 
 
 class Trainer(ABC):
+    root: Path  # where its checkpoints live (worker/runtime/paths.py lays them out)
+    checkpoint_suffix = ".tar.gz"
+
     @abstractmethod
     def has_model(self, model_id: str) -> bool: ...
 
@@ -144,3 +149,6 @@ class Trainer(ABC):
 
     def base_model(self, model_id: str) -> str:
         return model_id
+
+    def check_custom_loss(self, loss: CustomLoss) -> None:  # noqa: B027 - optional
+        """Raise DomainError if forward_backward could not run this custom loss (it is compiled here)."""

@@ -27,6 +27,8 @@ from worker.runtime.base import DomainError, Engine, Trainer
 
 
 class ReferenceTrainer(Trainer):
+    checkpoint_suffix = ".json"
+
     def __init__(self, checkpoint_root: Path) -> None:
         self.root = checkpoint_root
         self.steps: dict[str, int] = {}

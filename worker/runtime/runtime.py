@@ -1,7 +1,11 @@
 """Serve requests against a trainer and an engine, enforcing snapshot and version semantics."""
 
 from schemas import (
+    CreateCustomLossOutput,
+    CreateCustomLossRequest,
     CreateModelRequest,
+    DeleteCheckpointOutput,
+    DeleteCheckpointRequest,
     ErrorResponse,
     ForwardBackwardRequest,
     ForwardRequest,
@@ -15,6 +19,7 @@ from schemas import (
     WeightSyncOutput,
     WeightSyncRequest,
 )
+from worker.runtime import paths
 from worker.runtime.base import Admit, Done, DomainError, Engine, Keyed, Trainer, in_order, servable, unknown_model
 
 
@@ -43,7 +48,22 @@ class Runtime:
                 return SaveStateOutput(path=path, include_optimizer=request.include_optimizer)
             case LoadStateRequest():
                 return self._load(request)
+            case DeleteCheckpointRequest():
+                return self._delete(request)
+            case CreateCustomLossRequest():
+                self.trainer.check_custom_loss(request.loss)
+                return CreateCustomLossOutput(loss_id=request.loss.loss_id)
         raise DomainError(400, "unsupported_request", f"requests of kind {request.kind!r} are not supported")
+
+    def _delete(self, request: DeleteCheckpointRequest) -> DeleteCheckpointOutput:
+        """Files only: the model need not be in this worker's memory."""
+        kind, name = request.checkpoint_id.split("/", 1)
+        path = paths.checkpoint_file(self.trainer.root, request.model_id, kind, name, self.trainer.checkpoint_suffix)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return DeleteCheckpointOutput(checkpoint_id=request.checkpoint_id, deleted=False)
+        return DeleteCheckpointOutput(checkpoint_id=request.checkpoint_id, deleted=True)
 
     def _known(self, request):
         if not self.trainer.has_model(request.model_id):

@@ -11,6 +11,7 @@ from peft import LoraConfig
 from schemas import (
     CreateModelOutput,
     CreateModelRequest,
+    CustomLoss,
     ForwardBackwardOutput,
     ForwardRequest,
     LoadStateOutput,
@@ -21,7 +22,7 @@ from schemas import (
 from schemas import LoraConfig as LoraSpec
 from worker.runtime import paths
 from worker.runtime.base import DomainError, Trainer
-from worker.torch_runtime import losses
+from worker.torch_runtime import custom_loss, losses
 from worker.torch_runtime.bases import BaseModels, LoadedBase, adapter_name
 from worker.torch_runtime.checkpoints import extract_archive, write_archive
 from worker.torch_runtime.lora_io import LoraWeights, export_adapter, import_adapter, load_adapter, save_adapter, \
@@ -45,6 +46,11 @@ class TrainedModel:
         return [p for n, p in self.base.model.named_parameters() if f".{self.adapter}." in n]
 
 
+def _tensors(inputs: dict[str, list[float]], device: torch.device) -> dict[str, torch.Tensor]:
+    """A datum's per-token loss inputs as float32 tensors (target_tokens already went into the batch)."""
+    return {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in inputs.items() if k != "target_tokens"}
+
+
 def peft_config(spec: LoraSpec) -> LoraConfig:
     targets = (ATTN if spec.train_attn else []) + (MLP if spec.train_mlp else []) + \
         (["lm_head"] if spec.train_unembed else [])
@@ -57,6 +63,7 @@ class TorchTrainer(Trainer):
         self.bases = bases
         self.root = checkpoint_root.resolve()
         self.models: dict[str, TrainedModel] = {}
+        self._custom_losses: dict[str, custom_loss.CompiledLoss] = {}
 
     def has_model(self, model_id: str) -> bool:
         return model_id in self.models
@@ -94,16 +101,48 @@ class TorchTrainer(Trainer):
             mask = (torch.arange(tokens.shape[1])[None, :] < torch.tensor(lengths)[:, None]).to(base.device)
             logits = base.model(input_ids=tokens.to(base.device), attention_mask=mask.long()).logits.float()
             logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.to(base.device)[..., None])[..., 0]
-            total = torch.zeros((), device=base.device)
-            outputs = []
-            for i, (datum, n) in enumerate(zip(request.data, lengths)):
-                p = logprobs[i, :n]
-                elementwise = self._loss(request, datum.loss_fn_inputs, p, base.device)
-                total = total + elementwise.sum()
-                outputs.append({"logprobs": p.tolist(), "elementwise_loss": elementwise.tolist()})
+            per_datum = [logprobs[i, :n] for i, n in enumerate(lengths)]
+            total, outputs, metrics = self._losses(request, per_datum, base.device)
             if backward:
                 total.backward()
-        return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss:sum": total.item()})
+        return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss:sum": total.item(), **metrics})
+
+    def _losses(self, request: ForwardRequest, logprobs: list[torch.Tensor],
+                device: torch.device) -> tuple[torch.Tensor, list[dict[str, list[float]]], dict[str, float]]:
+        """The request's total loss, each datum's outputs, and the loss's own metrics."""
+        if request.custom_loss is not None:
+            inputs = [_tensors(d.loss_fn_inputs, device) for d in request.data]
+            try:
+                total, metrics = custom_loss.run_loss_batch(self._compiled(request.custom_loss), logprobs, inputs)
+            except custom_loss.CustomLossError as exc:
+                raise DomainError(400, "invalid_custom_loss", str(exc)) from exc
+            return total, [{"logprobs": p.tolist()} for p in logprobs], metrics
+        total = torch.zeros((), device=device)
+        outputs = []
+        for datum, p in zip(request.data, logprobs, strict=True):
+            elementwise = self._loss(request, datum.loss_fn_inputs, p, device)
+            total = total + elementwise.sum()
+            outputs.append({"logprobs": p.tolist(), "elementwise_loss": elementwise.tolist()})
+        return total, outputs, {}
+
+    def check_custom_loss(self, loss: CustomLoss) -> None:
+        self._compiled(loss)
+
+    def _compiled(self, loss: CustomLoss) -> custom_loss.CompiledLoss:
+        """A custom loss rebuilt from its graph (once per loss id); DomainError 400 if it is refused."""
+        if loss.loss_id not in self._custom_losses:
+            logprobs = loss.inputs[0]
+            if logprobs.name != "logprobs" or any(i.rank != 1 for i in loss.inputs):
+                raise DomainError(400, "invalid_custom_loss", "this server's custom losses read per-token inputs "
+                                  "only: logprobs first, every input of rank 1 ([T])")
+            try:
+                compiled = custom_loss.compile_loss(loss.graph, [i.model_dump() for i in loss.inputs])
+            except custom_loss.CustomLossError as exc:
+                raise DomainError(400, "invalid_custom_loss", str(exc)) from exc
+            if len(self._custom_losses) >= 256:
+                self._custom_losses.clear()
+            self._custom_losses[loss.loss_id] = compiled
+        return self._custom_losses[loss.loss_id]
 
     @staticmethod
     def _batch(request: ForwardRequest, vocab: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -124,8 +163,7 @@ class TorchTrainer(Trainer):
 
     @staticmethod
     def _loss(request: ForwardRequest, inputs: dict[str, list[float]], p: torch.Tensor, device) -> torch.Tensor:
-        tensors = {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in inputs.items()
-                   if k != "target_tokens"}
+        tensors = _tensors(inputs, device)
         try:
             return losses.elementwise_loss(request.loss_fn, p, tensors, request.loss_fn_config)
         except KeyError as exc:

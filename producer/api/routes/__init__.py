@@ -1,5 +1,6 @@
 """One router per endpoint family of Tinker's HTTP protocol, all under /api/v1."""
 
-from producer.api.routes import futures, sampling, service, sessions, training
+from producer.api.routes import futures, rest, sampling, service, sessions, training
 
-ROUTERS = [service.public, service.router, sessions.router, training.router, sampling.router, futures.router]
+ROUTERS = [service.public, service.router, sessions.router, training.router, sampling.router, futures.router,
+           rest.router]

@@ -22,5 +22,5 @@ async def retrieve_future(body: bodies.RetrieveFuture, deps: DepsParam) -> Respo
     result = parse_result(raw)
     deps.metrics.results.labels(result.type, result.code if isinstance(result, ErrorResponse) else "ok").inc()
     # Only syncs and saves need what the API noted at submit (paths, sampling session ids).
-    note = await deps.state.get_note(body.request_id) if result.type in ("weight_sync", "save_state") else {}
+    note = await deps.state.notes.get(body.request_id) if result.type in ("weight_sync", "save_state") else {}
     return render(result, note or {})

@@ -25,7 +25,9 @@ async def metrics(deps: DepsParam) -> Response:
 
 @router.post("/client/config")
 async def client_config(deps: DepsParam) -> dict:
-    return {"pjwt_auth_enabled": False, "fwdbwd_max_chunk_len": deps.settings.fwdbwd_max_chunk_len}
+    # custom_loss_server_side: create_custom_loss uploads the traced graph, forward_backward_custom runs it here
+    return {"pjwt_auth_enabled": False, "fwdbwd_max_chunk_len": deps.settings.fwdbwd_max_chunk_len,
+            "custom_loss_server_side": True}
 
 
 @router.post("/client/dynamic_config")

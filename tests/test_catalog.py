@@ -1,0 +1,68 @@
+"""The base models a deployment serves are configured (TINKERQ_BASE_MODELS), advertised and enforced."""
+
+import pytest
+from fastapi.testclient import TestClient
+
+from producer.api.app import create_app
+from producer.api.settings import ApiSettings
+from schemas import CreateModelRequest, LoraConfig
+from tinkerq.catalog import BaseModelCatalog, UnknownBaseModel
+from tinkerq.config import RuntimeConfig
+from tinkerq.local_models import LOCAL_MODELS, PACKAGED_MODELS, resolve
+from worker.runtime import DomainError
+from worker.runtime.factory import build_runtime, runtime_name
+
+KEY = {"X-API-Key": "tml-good"}
+
+
+def test_unset_serves_every_built_in_model_and_entries_take_names_dirs_and_aliases(tmp_path):
+    assert BaseModelCatalog.parse("").names == [*LOCAL_MODELS, *PACKAGED_MODELS]
+    directory = resolve("tinyq-micro")
+    catalog = BaseModelCatalog.parse(f"tinyq-tied, {directory}, Org/Alias-1B={directory}")
+    assert catalog.names == ["tinyq-tied", str(directory), "Org/Alias-1B"]
+    assert catalog.path("Org/Alias-1B") == directory and catalog.path(str(directory)) == directory
+    with pytest.raises(UnknownBaseModel, match="tinyq-micro"):
+        catalog.path("tinyq-micro")  # built in, but not served by this deployment
+    with pytest.raises(ValueError, match="not an HF-format directory"):
+        BaseModelCatalog.parse(f"x={tmp_path}")
+
+
+def test_the_api_advertises_and_accepts_exactly_the_configured_models(r, redis_url, config):
+    directory = resolve("tinyq-micro")
+    catalog = BaseModelCatalog.parse(f"tinyq-micro,Org/Alias-1B={directory}")
+    with TestClient(create_app(redis_url, ApiSettings(api_keys="tml-good"), config, catalog)) as api:
+        listed = api.get("/api/v1/get_server_capabilities", headers=KEY).json()["supported_models"]
+        assert [m["model_name"] for m in listed] == ["tinyq-micro", "Org/Alias-1B"]
+        assert listed[1]["max_context_length"] == LOCAL_MODELS["tinyq-micro"].context  # read from its config
+        sid = api.post("/api/v1/create_session", json={}, headers=KEY).json()["session_id"]
+
+        def create(base: str, seq: int):
+            return api.post("/api/v1/create_model", headers=KEY,
+                            json={"session_id": sid, "model_seq_id": seq, "base_model": base})
+
+        assert create("Org/Alias-1B", 0).status_code == 200
+        refused = create("tinyq-small", 1)
+        assert refused.status_code == 404 and "Org/Alias-1B" in refused.json()["error"]
+        bare = api.post("/api/v1/create_sampling_session", headers=KEY,
+                        json={"session_id": sid, "sampling_session_seq_id": 0, "base_model": "tinyq-small"})
+        assert bare.status_code == 404
+
+
+def test_a_worker_builds_only_the_configured_models(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINKERQ_BASE_MODELS", f"Org/Alias={resolve('tinyq-micro')}")
+    rt = build_runtime(RuntimeConfig(runtime="torch", engine="torch", checkpoint_root=str(tmp_path)))
+    rt.execute(CreateModelRequest(model_id="a:train:0", base_model="Org/Alias", lora=LoraConfig(rank=2)))
+    with pytest.raises(DomainError) as refused:
+        rt.execute(CreateModelRequest(model_id="b:train:0", base_model="tinyq-micro", lora=LoraConfig(rank=2)))
+    assert refused.value.code == "unknown_base_model"
+
+
+def test_a_worker_serves_a_real_model_unless_the_stand_in_is_asked_for(monkeypatch):
+    assert runtime_name(RuntimeConfig()) == "torch"
+    assert runtime_name(RuntimeConfig(runtime="reference")) == "reference"
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
+    with pytest.raises(RuntimeError, match="--runtime reference"):
+        runtime_name(RuntimeConfig())
