@@ -404,3 +404,32 @@ def test_unknown_routes_and_methods_answer_in_the_api_error_body(api):
                      api.get("/api/v1/create_session", headers=KEY)):
         assert response.status_code in (404, 405) and response.json()["error"], response.text
         assert response.json()["code"] in ("unknown_route", "method_not_allowed")
+
+
+def test_content_type_and_size_limits_say_415_and_413(api):
+    sid = session(api)
+    plain = api.post("/api/v1/session_heartbeat", content=json.dumps({"session_id": sid}),
+                     headers={**KEY, "Content-Type": "text/plain"})
+    assert plain.status_code == 415 and "application/json" in plain.json()["error"]
+
+    def chunked():  # no content-length: the limit is found while reading
+        for _ in range(100):
+            yield b" " * (1 << 20)
+
+    huge = api.post("/api/v1/session_heartbeat", content=chunked(), headers={**KEY, "Content-Type": "application/json"})
+    assert huge.status_code == 413 and "TINKERQ_MAX_BODY_BYTES" in huge.json()["error"]
+
+
+def test_healthz_says_503_while_redis_is_down(config):
+    from tinkerq.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis().start()
+    try:
+        with TestClient(create_app(server.url, ApiSettings(api_keys="tml-good"), config)) as api:
+            assert api.get("/api/v1/healthz").json() == {"status": "ok"}
+            server.process.kill()
+            server.process.wait()
+            down = api.get("/api/v1/healthz")
+            assert down.status_code == 503 and down.json()["error"]
+    finally:
+        server.stop()

@@ -102,7 +102,16 @@ async def authorize(request: Request) -> None:
         raise ApiError(401, "missing or unknown X-API-Key", "unauthorized")
 
 
-Authorized = [Depends(authorize)]
+async def json_only(request: Request) -> None:
+    """A JSON route with a body of another declared type is a 415 (FastAPI alone would answer 422)."""
+    content_type = request.headers.get("content-type", "")
+    if request.method in ("POST", "PUT", "PATCH") and content_type and "json" not in content_type:
+        raise ApiError(415, f"this route takes an application/json body, not {content_type!r}",
+                       "unsupported_media_type")
+
+
+Authorized = [Depends(authorize), Depends(json_only)]
+ProtoAuthorized = [Depends(authorize)]  # routes whose body is protobuf
 
 
 DepsParam = Annotated[Deps, Depends(get_deps)]

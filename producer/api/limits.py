@@ -5,8 +5,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from producer.api.errors import error_response
 
 
-class BodyTooLarge(Exception):
-    pass
+class BodyTooLarge(BaseException):
+    """Raised inside the app's own body reading; a BaseException so that FastAPI's `except Exception` around
+    body parsing (which would answer 400 "error parsing the body") lets it through to this middleware."""
 
 
 class BodySizeLimit:

@@ -2,5 +2,5 @@
 
 from producer.api.routes import futures, rest, sampling, service, sessions, training
 
-ROUTERS = [service.public, service.router, sessions.router, training.router, sampling.router, futures.router,
-           rest.router]
+ROUTERS = [service.public, service.router, sessions.router, training.router, training.proto_router, sampling.router,
+           futures.router, rest.router]

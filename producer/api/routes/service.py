@@ -3,17 +3,26 @@
 import asyncio
 
 from fastapi import APIRouter
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from redis.exceptions import RedisError
+
 from producer.api.deps import Authorized, DepsParam
+from producer.api.errors import error_response
 
 public = APIRouter(prefix="/api/v1")
 router = APIRouter(prefix="/api/v1", dependencies=Authorized)
 
 
-@public.get("/healthz")
-async def healthz() -> dict:
+@public.get("/healthz", response_model=None)
+async def healthz(deps: DepsParam) -> dict | JSONResponse:
+    """Healthy means able to serve: the queue's Redis answers (within a second)."""
+    try:
+        await asyncio.wait_for(deps.state.redis.ping(), 1.0)
+    except (TimeoutError, RedisError, OSError) as exc:
+        return error_response(503, f"the job queue's Redis does not answer ({type(exc).__name__})",
+                              "queue_unavailable", {"retry-after": "1"})
     return {"status": "ok"}
 
 

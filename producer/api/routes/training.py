@@ -3,12 +3,13 @@
 from fastapi import APIRouter, Request
 
 from producer.api import bodies, proto, provenance
-from producer.api.deps import Authorized, DepsParam
+from producer.api.deps import Authorized, DepsParam, ProtoAuthorized
 from producer.api.errors import ApiError
 from producer.api.ids import derived_id
 from tinkerq.uris import tinker_uri
 
 router = APIRouter(prefix="/api/v1", dependencies=Authorized)
+proto_router = APIRouter(prefix="/api/v1", dependencies=ProtoAuthorized)
 
 
 def _future(ticket, model_id: str) -> dict:
@@ -38,7 +39,7 @@ async def get_info(body: bodies.ModelRef, deps: DepsParam) -> dict:
             "lora_rank": info.get("lora_rank"), "model_name": info["base_model"]}
 
 
-@router.post("/forward_backward")
+@proto_router.post("/forward_backward")
 async def forward_backward(request: Request, deps: DepsParam) -> dict:
     message = proto.parse_forward_backward(await proto.read_body(request, deps.settings.max_body_bytes))
     async with deps.in_sequence(message.model_id, message.seq_id):
