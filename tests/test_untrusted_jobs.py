@@ -10,9 +10,12 @@ import time
 import zlib
 
 import pytest
+from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 from rq.job import Job, JobStatus
+from tinker.proto import tinker_public_pb2 as pb
 
 from conftest import burst_worker
 from producer import Producer
@@ -21,12 +24,14 @@ from schemas import (
     ID_PATTERN,
     Datum,
     ForwardBackwardRequest,
+    ForwardRequest,
     LoadStateRequest,
     OptimStepRequest,
     SampleOutput,
     SampleRequest,
     SamplingParams,
     WeightSyncRequest,
+    parse_result,
 )
 from tinkerq import keys
 from tinkerq.config import RuntimeConfig
@@ -293,6 +298,77 @@ def test_a_job_of_a_shard_the_worker_does_not_own_gets_an_explicit_result(r, con
     assert producer.get("foreign-model").code == "wrong_shard"
     assert isinstance(producer.get(good.request_id), SampleOutput)
     assert Job.fetch("foreign-origin", connection=r, serializer="json").get_status() == JobStatus.FAILED
+
+
+# -- non-finite numbers -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_loss_inputs_are_refused_at_validation(bad):
+    with pytest.raises(ValidationError, match="finite"):
+        Datum(model_input=[1, 2], loss_fn_inputs={"advantages": [0.5, bad]})
+    with pytest.raises(ValidationError, match="finite"):
+        ForwardRequest(model_id=M, data=[Datum(model_input=[1])], loss_fn="ppo", loss_fn_config={"clip": bad})
+
+
+def test_a_forged_job_with_non_finite_advantages_is_refused_by_the_worker(r, config, tmp_path):
+    producer = Producer(r, config)
+    producer.submit(CreateModelRequest(model_id=M, base_model="ref"))
+    shard = keys.shard_of(M, config.num_shards)
+    datum = {"model_input": [1, 2], "loss_fn_inputs": {"advantages": [math.nan, math.inf]}}
+    forge(r, "nan-adv", shard, {"kind": "forward_backward", "model_id": M, "data": [datum]},
+          func="worker.jobs.training_op")
+    good = producer.submit(SampleRequest(model_id=M, prompt_tokens=[3]))
+    burst_worker(r, config, tmp_path).run(burst=True, logging_level="WARNING")
+    out = producer.get("nan-adv")  # parses: the stored result is one
+    assert (out.code, out.status) == ("invalid_request", 400) and "finite" in out.error
+    assert isinstance(producer.get(good.request_id), SampleOutput)
+
+
+def test_a_non_finite_output_is_stored_as_a_result_that_reads_back(r, redis_url, config, tmp_path):
+    from producer.api.app import create_app
+    from producer.api.settings import ApiSettings
+
+    producer = Producer(r, config)
+    producer.submit(CreateModelRequest(model_id=M, base_model="ref"))
+    # finite inputs whose loss overflows: the reference loss is -sum(logprob * sum(weights))
+    overflow = producer.submit(ForwardRequest(model_id=M, data=[
+        Datum(model_input=[1, 2, 3], loss_fn_inputs={"weights": [1e308, 1e308, 1e308]})]))
+    burst_worker(r, config, tmp_path).run(burst=True, logging_level="WARNING")
+    out = parse_result(r.get(keys.result_key(overflow.request_id)))
+    assert out.type == "forward_backward" and out.metrics["loss:sum"] == math.inf
+    assert producer.wait(overflow.request_id, 1).metrics["loss:sum"] == math.inf
+    settings = ApiSettings(api_keys="tml-good", long_poll_s=0.5)
+    with TestClient(create_app(redis_url, settings, config)) as api:
+        response = api.post("/api/v1/retrieve_future", json={"request_id": overflow.request_id},
+                            headers={"X-API-Key": "tml-good"})
+    assert response.status_code == 200, response.text
+    assert pb.ForwardBackwardOutput.FromString(response.content).metrics["loss:sum"] == math.inf
+
+
+def test_a_non_finite_loss_input_through_the_api_is_a_400(r, redis_url, config, tmp_path):
+    import numpy as np
+
+    from producer.api.app import create_app
+    from producer.api.settings import ApiSettings
+
+    settings = ApiSettings(api_keys="tml-good", long_poll_s=0.5)
+    headers = {"X-API-Key": "tml-good"}
+    with TestClient(create_app(redis_url, settings, config)) as api:
+        session = api.post("/api/v1/create_session", json={"tags": []}, headers=headers).json()["session_id"]
+        created = api.post("/api/v1/create_model", json={"session_id": session, "model_seq_id": 0,
+                                                         "base_model": "tinyq-micro"}, headers=headers).json()
+        burst_worker(r, config, tmp_path).run(burst=True, logging_level="WARNING")
+        message = pb.ForwardBackwardRequest(model_id=created["model_id"], seq_id=1, loss_fn="importance_sampling")
+        datum = message.data.add()
+        datum.model_input.add().encoded_text.tokens = np.asarray([1, 2], dtype="<i4").tobytes()
+        advantages = datum.loss_fn_inputs["advantages"]
+        advantages.dense = np.asarray([0.5, np.nan], dtype="<f4").tobytes()
+        advantages.dtype = pb.DTYPE_FLOAT32
+        advantages.shape.append(2)
+        response = api.post("/api/v1/forward_backward", content=message.SerializeToString(),
+                            headers={**headers, "Content-Type": "application/x-protobuf"})
+    assert response.status_code == 400, response.text
+    assert "finite" in response.json()["error"]
 
 
 # -- anything at all ----------------------------------------------------------------------------------------------
