@@ -10,7 +10,9 @@ from schemas.ids import SEQUENCE_ID_PATTERN, ModelId, base_model_id
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NaN and inf are refused in every float of a request (loss inputs, advantages, loss and optimizer
+    # settings): they would only come back as NaN losses and gradients, or poison a model's weights.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class SamplingParams(_Strict):

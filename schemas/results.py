@@ -7,7 +7,10 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_serializer
 
 
 class _Out(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # A non-finite output (a loss that overflows, a NaN metric) is stored as the JSON string "Infinity",
+    # "-Infinity" or "NaN", which parse_result reads back as the float (pydantic's default would write null,
+    # which no float field parses).
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="strings")
 
 
 class GeneratedSequence(_Out):

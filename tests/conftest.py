@@ -60,7 +60,8 @@ class WorkerProc:
 
     def __init__(self, redis_url: str, env: dict[str, str], args: list[str] = ()) -> None:
         self.log = open(Path(env.get("TINKERQ_CHECKPOINT_ROOT", "/tmp")) / f"worker-{time.time_ns()}.log", "w+")
-        full_env = {**os.environ, **env, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+        path = [str(ROOT), str(ROOT / "tests"), *filter(None, [env.get("PYTHONPATH")])]  # env may add to it
+        full_env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(path)}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tinkerq.cli", "worker", "--redis-url", redis_url, "--log-level", "WARNING", *args],
             env=full_env, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,

@@ -167,6 +167,8 @@ def test_samples_served_before_an_engine_crash_are_finished_in_rq_and_leave_the_
 
 
 def test_a_crash_mid_batch_puts_the_claimed_samples_back_at_the_front_in_order(r, producer, config, tmp_path):
+    from schemas import Limits
+    from worker.admission import Admission
     from worker.batching import Batcher
     from worker.recovery import recover
 
@@ -175,7 +177,7 @@ def test_a_crash_mid_batch_puts_the_claimed_samples_back_at_the_front_in_order(r
     tickets = [sample(producer) for _ in range(4)]
     queue = Queue(keys.queue_name(tickets[0].shard), connection=r, serializer="json")
     first = r.lpop(queue.key).decode()  # popped by a worker that then claims the rest and dies
-    claimed = Batcher(r, 60).claim(queue.key, tickets[0].shard, 10)
+    claimed = Batcher(r, 60, Admission(config, Limits())).claim(queue.key, tickets[0].shard, 10)
     assert [c.request_id for c in claimed] == [t.request_id for t in tickets[1:]]
     assert queue.get_job_ids() == []
     r.rpush(f"{queue.key}:intermediate", first)

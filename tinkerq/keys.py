@@ -18,7 +18,11 @@ def queue_name(shard: int) -> str:
 
 
 def shard_of_queue(name: str) -> int:
-    return int(name.rsplit(".", 1)[1])
+    """The shard of a shard queue's name; ValueError for any other name (an origin read from Redis may be one)."""
+    prefix, _, number = name.rpartition(".")
+    if prefix != "tinkerq.shard" or not number.isdigit() or queue_name(int(number)) != name:
+        raise ValueError(f"{name!r} is not a shard queue name")
+    return int(number)
 
 
 def request_key(request_id: str) -> str:

@@ -10,6 +10,8 @@ The taken jobs move atomically from the queue to the shard's in-flight list (so 
 recovery puts them back at the front); each result is stored as it is ready, and the jobs served in one
 engine step are marked finished in RQ together, at the next step; on an exception the unfinished ones go
 back to the head of the queue and are retried one by one.
+Looked-ahead jobs are judged like popped ones (worker/admission.py); one that is refused, or whose hash cannot
+even be loaded, is left in the queue to be answered on its own turn, and fails no one else.
 """
 
 import logging
@@ -18,14 +20,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from redis import Redis
+from rq import Queue
 from rq.job import Job, JobStatus
 from rq.registry import FinishedJobRegistry
 from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.utils import now
 
-from schemas import SampleRequest, parse_request
+from schemas import SampleRequest
 from tinkerq import keys
+from worker.admission import Admission, Admitted, job_id
+from worker.rq_worker import AllowlistJob
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +55,10 @@ class Claimed:
 
 
 class Batcher:
-    def __init__(self, connection: Redis, rq_result_ttl_s: int) -> None:
+    def __init__(self, connection: Redis, rq_result_ttl_s: int, admission: Admission) -> None:
         self.connection = connection
         self.rq_result_ttl_s = rq_result_ttl_s
+        self.admission = admission
         self._claim = connection.register_script(_CLAIM)
 
     def claim(self, queue_key: str, shard: int, limit: int, accept: Callable[[SampleRequest], bool] | None = None,
@@ -62,21 +68,23 @@ class Batcher:
         if limit <= 0:
             return []
         candidates = self._servable_ids(queue_key, limit, before_any_barrier)
-        loaded = {c.request_id: c for c in _load(self.connection, candidates) if accept is None or accept(c.request)}
+        loaded = {c.request_id: c for c in self._load(queue_key, candidates) if accept is None or accept(c.request)}
         moved = self._claim(keys=[queue_key, keys.inflight_key(shard)], args=list(loaded)) if loaded else []
         return [loaded[rid.decode()] for rid in moved]
 
     def _servable_ids(self, queue_key: str, limit: int, before_any_barrier: bool) -> list[str]:
-        ids = [i.decode() for i in self.connection.lrange(queue_key, 0, 2 * limit - 1)]
+        # an entry that is no request id is left for the pop to drop
+        ids = [rid for rid in map(job_id, self.connection.lrange(queue_key, 0, 2 * limit - 1)) if rid is not None]
         if not ids:
             return []
         with self.connection.pipeline(transaction=False) as pipe:
             for rid in ids:
                 pipe.hmget(keys.request_key(rid), "kind", "model")
-            records = pipe.execute()
+            records = pipe.execute(raise_on_error=False)  # a key of another type is an error for that id alone
         blocked: set[str] = set()
         picked: list[str] = []
-        for rid, (kind, model) in zip(ids, records):
+        for rid, record in zip(ids, records):
+            kind, model = (None, None) if isinstance(record, Exception) else record
             if kind is None:
                 continue  # no record (malformed or foreign job): it gets its own error when popped
             if kind != b"sample":
@@ -88,6 +96,29 @@ class Batcher:
                 if len(picked) == limit:
                     break
         return picked
+
+    def _load(self, queue_key: str, ids: list[str]) -> list[Claimed]:
+        """The admitted samples among `ids`, loaded one hash at a time: a corrupt one is skipped, not fatal."""
+        with self.connection.pipeline(transaction=False) as pipe:
+            for rid in ids:
+                pipe.hgetall(AllowlistJob.key_for(rid))
+            hashes = pipe.execute(raise_on_error=False)
+        queue_name = queue_key.removeprefix(Queue.redis_queue_namespace_prefix)
+        loaded = []
+        for rid, raw in zip(ids, hashes):
+            if not raw or isinstance(raw, Exception):
+                continue  # gone or not a hash: answered when popped
+            job = AllowlistJob(rid, connection=self.connection, serializer=JSONSerializer)
+            try:
+                job.restore(raw)  # what Job.fetch_many does for each hash (RQ-internal; rq is pinned)
+            except Exception:  # noqa: BLE001 - any malformed job is left for its own turn
+                log.debug("lookahead skips %s: its job hash does not load; it will fail on its own", rid)
+                continue
+            verdict = self.admission.admit(job, queue_name)
+            if isinstance(verdict, Admitted) and isinstance(verdict.request, SampleRequest):
+                job.verdict = verdict
+                loaded.append(Claimed(rid, verdict.request, job))
+        return loaded
 
     def lengths(self, queue_keys: list[str]) -> list[int]:
         with self.connection.pipeline(transaction=False) as pipe:
@@ -177,16 +208,3 @@ class EngineRun:
             self.unfinished[item.request_id] = item
             self.requests[item.request_id] = item.request
         return [(item.request_id, item.request) for item in claimed]
-
-
-def _load(connection: Redis, ids: list[str]) -> list[Claimed]:
-    loaded = []
-    for rid, job in zip(ids, Job.fetch_many(ids, connection=connection, serializer=JSONSerializer)):
-        try:
-            request = parse_request(job.args[0])
-        except Exception:  # noqa: BLE001 - any malformed job is left for its own turn
-            log.debug("lookahead skips %s: its payload does not parse; it will fail on its own", rid)
-            continue
-        if isinstance(request, SampleRequest):
-            loaded.append(Claimed(rid, request, job))
-    return loaded

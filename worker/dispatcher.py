@@ -6,7 +6,6 @@ import os
 import time
 from typing import Any
 
-from pydantic import ValidationError
 from redis import Redis
 from rq import Queue
 from rq.job import Job
@@ -16,6 +15,7 @@ from schemas import (
     CreateModelOutput,
     DeleteCheckpointOutput,
     ErrorResponse,
+    Limits,
     LoadStateOutput,
     Request,
     Result,
@@ -23,12 +23,11 @@ from schemas import (
     SampleRequest,
     SaveStateOutput,
     WeightSyncOutput,
-    parse_request,
 )
 from tinkerq import keys
-from tinkerq.keys import shard_of_queue
 from tinkerq.config import QueueConfig
 from worker import batching
+from worker.admission import Admission, Refused
 from worker.fencing import Fence, FencedOut
 from worker.runtime import DomainError, Runtime
 from worker.sequencing import Sequencer
@@ -46,12 +45,14 @@ def summary(request_id: str, result: Result) -> dict[str, Any]:
 
 
 class Dispatcher:
-    def __init__(self, connection: Redis, runtime: Runtime, fence: Fence, config: QueueConfig) -> None:
+    def __init__(self, connection: Redis, runtime: Runtime, fence: Fence, config: QueueConfig,
+                 limits: Limits | None = None) -> None:
         self.connection = connection
         self.runtime = runtime
         self.fence = fence
         self.config = config
-        self.batcher = batching.Batcher(connection, config.rq_result_ttl_s)
+        self.admission = Admission(config, limits or Limits())
+        self.batcher = batching.Batcher(connection, config.rq_result_ttl_s, self.admission)
         self.stability = StabilityRecords(connection, config.stability_ttl_s)
         self.sequencer = Sequencer(connection, fence, config.seq_gap_timeout_s, self._execute, self.finish)
 
@@ -70,35 +71,21 @@ class Dispatcher:
         except Exception:  # noqa: BLE001 - called from failure paths that must not fail again
             log.exception("could not store the error result of %s", request_id)
 
-    def handle(self, job: Job, args: tuple, kwargs: dict) -> dict[str, Any]:
-        rid, shard = job.id, shard_of_queue(job.origin)
+    def handle(self, job: Job) -> dict[str, Any]:
+        """Serve a job the worker admitted, or answer the refusal of its payload (worker/admission.py)."""
+        verdict = job.verdict
+        if verdict is None:
+            raise RuntimeError(f"job {job.id} reached the dispatcher without the worker's verdict")
+        rid, shard = verdict.request_id, verdict.shard
         if self.connection.exists(keys.result_key(rid)):
             return {"request_id": rid, "skipped": "result already stored"}
-        request = self._parse(shard, rid, args, kwargs)
-        if isinstance(request, ErrorResponse):
-            self.finish(shard, rid, request)
-            return summary(rid, request)
+        if isinstance(verdict, Refused):
+            self.finish(shard, rid, verdict.error)
+            return summary(rid, verdict.error)
+        request = verdict.request
         if isinstance(request, SampleRequest):
             return self._sample(job, shard, rid, request)
         return {"request_id": rid, "seq": self.sequencer.submit(shard, rid, request)}
-
-    def _parse(self, shard: int, rid: str, args: tuple, kwargs: dict) -> Request | ErrorResponse:
-        if kwargs or len(args) != 1 or not isinstance(args[0], dict):
-            return ErrorResponse(
-                error="a job takes exactly one positional argument, the request payload object",
-                status=400, code="invalid_job",
-            )
-        try:
-            request = parse_request(args[0])
-        except ValidationError as exc:
-            return ErrorResponse(error=f"invalid request: {exc}", status=400, code="invalid_request")
-        expected = keys.shard_of(request.model_id, self.config.num_shards)
-        if expected != shard:
-            return ErrorResponse(
-                error=f"model {request.model_id!r} belongs to shard {expected}, but the job was on shard {shard}",
-                status=400, code="wrong_shard",
-            )
-        return request
 
     def _execute(self, shard: int, rid: str, request: Request) -> None:
         try:
@@ -142,7 +129,7 @@ class Dispatcher:
     def _sample(self, job: Job, shard: int, rid: str, request: SampleRequest) -> dict[str, Any]:
         # list() copies in one step: the lease keeper thread may take or lose a shard meanwhile
         others = [_queue_key(keys.queue_name(owned)) for owned in list(self.fence.tokens) if owned != shard]
-        run = batching.EngineRun(self.batcher, _queue_key(job.origin), shard, self.config.max_batch_requests,
+        run = batching.EngineRun(self.batcher, _queue_key(keys.queue_name(shard)), shard, self.config.max_batch_requests,
                                  self.config.batch_admit_s, others, job.worker_name)
 
         def done(each_rid: str, result: Result) -> None:
@@ -180,10 +167,23 @@ class Dispatcher:
             "a new model"))
 
     def internal_error(self, job: Job, exc_type: type, exc: BaseException) -> None:
-        """RQ exception handler: the job raised or timed out; its request still gets one result."""
+        """RQ exception handler: the job raised or timed out (or was refused as forged); its request still gets
+        one result."""
         if isinstance(exc, FencedOut):
             return  # the new owner will run it again
-        self.fail(shard_of_queue(job.origin), job.id, classify(exc_type, exc))
+        verdict = getattr(job, "verdict", None)
+        if isinstance(verdict, Refused) and verdict.forged:
+            self.fail(verdict.shard, verdict.request_id, verdict.error)
+        elif verdict is not None:
+            self.fail(verdict.shard, verdict.request_id, classify(exc_type, exc))
+        else:  # a job RQ's own maintenance handled (an abandoned one): trust its hash only as far as it checks out
+            try:
+                shard = keys.shard_of_queue(job.origin)
+            except ValueError:
+                log.error("job %s has origin %r, which is no shard queue: its error result is not stored",
+                          job.id, job.origin)
+                return
+            self.fail(shard, job.id, classify(exc_type, exc))
 
 
 def _queue_key(name: str) -> str:

@@ -13,7 +13,9 @@ ALLOWED_FUNCTIONS = frozenset({"worker.jobs.sample", "worker.jobs.weight_sync", 
 
 
 def _run(*args: Any, **kwargs: Any) -> dict:
-    return context.dispatcher().handle(get_current_job(), args, kwargs)
+    # The worker has already judged the job and parsed its payload (worker/admission.py); the arguments are that
+    # payload, and the dispatcher takes the parsed request from the job's verdict.
+    return context.dispatcher().handle(get_current_job())
 
 
 def sample(*args: Any, **kwargs: Any) -> dict:

@@ -12,7 +12,7 @@ from redis import Redis
 from rq import Queue
 
 from producer.enqueue import check_num_shards
-from schemas import ErrorResponse
+from schemas import ErrorResponse, Limits
 from tinkerq import keys
 from tinkerq.config import QueueConfig
 from worker import context
@@ -33,6 +33,7 @@ class WorkerProcess:
         runtime: Runtime,
         config: QueueConfig | None = None,
         shards: list[int] | None = None,
+        limits: Limits | None = None,
     ) -> None:
         self.connection = connection
         self.config = config or QueueConfig()
@@ -42,7 +43,7 @@ class WorkerProcess:
             raise ValueError(f"shards must lie in [0, {self.config.num_shards}); got {self.wanted}")
         self.name = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
         self.fence = Fence(connection, self.name, self.config.lease_ttl_ms)
-        self.dispatcher = Dispatcher(connection, runtime, self.fence, self.config)
+        self.dispatcher = Dispatcher(connection, runtime, self.fence, self.config, limits)
         context.install(self.dispatcher)
         self.rq_worker: ShardWorker | None = None
         self._stopping = threading.Event()
@@ -101,6 +102,7 @@ class WorkerProcess:
             tick_s=self.config.tick_s,
             on_tick=self._tick,
             on_unloadable=self._on_unloadable,
+            admit=self.dispatcher.admission.admit,
             log_job_description=False,
         )
         worker.push_exc_handler(self._on_job_exception)

@@ -1,38 +1,109 @@
 """RQ's SimpleWorker, adapted to a long-lived, stateful, GPU-resident process.
 
 - Jobs run in this process (never a fork): the loaded model and its snapshots persist.
+- Every job read from Redis is untrusted: a queue entry that is not a request id is dropped at the pop, and
+  every job RQ loads is judged by `admit` (worker/admission.py) before RQ acts on it. A job hash is loaded
+  without the RQ fields through which RQ would import code, send HTTP requests or enqueue and re-run jobs.
 - Only allowlisted job functions run (JSON gives no code execution, but func_name would).
 - A side thread renews the shard leases and keeps RQ's heartbeats alive during long jobs, so
   RQ's registry cleanup never marks a running job abandoned.
 - Every failure path ends with an ErrorResponse stored for the request.
 - The idle loop ticks every `tick_s`, which lets the worker answer held ops whose deadline passed.
 - A queued id whose job hash is gone is answered too (RQ would drop it without a trace).
+
+RQ internals relied on (rq is pinned exactly in pyproject; each is re-checked by a test):
+`Job.restore` (every load of a hash: `Job.fetch`, `Job.fetch_many`, `Queue.fetch_job`, the registries'
+cleanup), the hash field names it reads, `Queue.lpop` / `Queue.lmove` (the pop, before `dequeue_any` decodes
+the id), `Queue._fetch_dequeued_job`, `Queue.move_dependents_to_ready` / `enqueue_dependents` (called by the
+worker's success and failure paths), and `BaseWorker.dequeue_job_and_maintain_ttl`.
 """
 
 import logging
 import threading
+import zlib
 from collections.abc import Callable
 
 from rq import Queue, SimpleWorker
+from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job
 from rq.worker import WorkerStatus
 
+from worker import admission
+from worker.admission import Refused, Verdict
 from worker.jobs import ALLOWED_FUNCTIONS
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_TTL_S = 60
 
+# Job hash fields through which RQ 3.0.0 would import code (the callbacks: `Job.success_callback` & co. call
+# `import_attribute`, run by `BaseWorker._finalize_success/_finalize_failure` and `StartedJobRegistry.cleanup`),
+# send HTTP requests (`webhooks`: `Job.send_webhooks`, urllib), enqueue or re-run jobs (dependencies, retries,
+# repeats, rate-limit slots: `handle_job_success/failure`, `Repeat.schedule`, `release_slot`) or touch other
+# keys (`group_id`). tinkerq never writes them (RQ writes '' for the callback names and group_id), so a hash
+# that sets one was forged: it is refused, and the fields are never loaded.
+HOOK_FIELDS = ("success_callback_name", "failure_callback_name", "stopped_callback_name", "webhooks",
+               "dependency_ids", "dependency_id", "retries_left", "repeats_left", "rate_limit_key", "group_id")
+# Their companions, meaningless without them (and parsed with int()/json.loads, so garbage there would make
+# the whole hash unloadable): dropped too, not counted.
+_COMPANION_FIELDS = ("success_callback_timeout", "failure_callback_timeout", "stopped_callback_timeout",
+                     "allow_dependency_failures", "enqueue_at_front", "retry_intervals", "enqueue_at_front_on_retry",
+                     "repeat_intervals", "rate_limit_concurrency")
+_DROPPED = frozenset(HOOK_FIELDS + _COMPANION_FIELDS)
+
 
 class ForbiddenJob(Exception):
     pass
 
 
+class BadQueueEntry(Exception):
+    """A queue entry that is not a request id (not UTF-8, or not an id a producer makes): nothing to answer."""
+
+    def __init__(self, raw: bytes, queue_key: str) -> None:
+        super().__init__(f"queue {queue_key} held {raw[:200]!r}, which is not a request id; dropped")
+        self.raw, self.queue_key = raw, queue_key
+
+
+def _field(name: bytes | str) -> str:
+    return name.decode(errors="replace") if isinstance(name, bytes) else name
+
+
 class AllowlistJob(Job):
+    """A job loaded as untrusted data: without RQ's hook fields (listed in `ignored_fields` when set), with its
+    data bounded, and run only once the worker admitted it (`verdict`) and only if its function is allowed."""
+
+    # Far above what a request within `Limits` serialises to (tens of MB), far below a worker's memory: a
+    # zlib bomb in `data` is refused instead of inflated.
+    max_data_bytes = 256 * 1024 * 1024
+    verdict: Verdict | None = None
+    ignored_fields: tuple[str, ...] = ()
+
+    def restore(self, raw_data):  # noqa: ANN001, ANN201 - RQ's signature
+        self.ignored_fields = tuple(name for name in HOOK_FIELDS
+                                    if raw_data.get(name.encode(), raw_data.get(name)) not in (None, b"", ""))
+        kept = {key: value for key, value in raw_data.items() if _field(key) not in _DROPPED}
+        _check_size(kept.get(b"data", kept.get("data")), self.max_data_bytes)
+        return super().restore(kept)
+
     def perform(self):  # noqa: ANN201 - RQ's signature
+        if self.verdict is None:
+            raise ForbiddenJob("the job was not admitted by the worker")
+        if isinstance(self.verdict, Refused) and self.verdict.forged:
+            raise ForbiddenJob(self.verdict.error.error)
         if self.func_name not in ALLOWED_FUNCTIONS:
             raise ForbiddenJob(f"function {self.func_name!r} is not an allowed tinkerq job function")
         return super().perform()
+
+
+def _check_size(data: bytes | str | None, limit: int) -> None:
+    if not isinstance(data, bytes):
+        return  # missing: RQ says so itself
+    try:
+        inflated = zlib.decompressobj().decompress(data, limit + 1)
+    except zlib.error:
+        inflated = data  # RQ falls back to the raw bytes too
+    if len(inflated) > limit:
+        raise ValueError(f"the job's data exceeds {limit} bytes")
 
 
 class LostJob(Exception):
@@ -40,9 +111,20 @@ class LostJob(Exception):
 
 
 class ShardQueue(Queue):
+    job_class = AllowlistJob  # also the class RQ's registry and intermediate-queue cleanups load jobs with
+
+    # The pop: RQ's `dequeue_any` decodes the popped id as UTF-8 (and would crash the worker on other bytes);
+    # an entry that is no request id is refused here, before that.
+    @classmethod
+    def lpop(cls, queue_keys, timeout, connection=None):  # noqa: ANN001, ANN206 - RQ's signature
+        return _checked(super().lpop(queue_keys, timeout, connection=connection))
+
+    @classmethod
+    def lmove(cls, connection, queue_key, timeout):  # noqa: ANN001, ANN206 - RQ's signature
+        return _checked(super().lmove(connection, queue_key, timeout))
+
     # RQ's dequeue skips an id without a job hash in silence, and its client would wait for a result
     # forever. Raised with job_id and queue attached, it takes the path of an unloadable job instead.
-    # (`_fetch_dequeued_job` is RQ-internal; rq is pinned exactly in pyproject.)
     @classmethod
     def _fetch_dequeued_job(cls, connection, queue_key: str, job_id: str, **kwargs):
         fetched = super()._fetch_dequeued_job(connection, queue_key, job_id, **kwargs)
@@ -52,6 +134,21 @@ class ShardQueue(Queue):
             lost.queue = cls.from_queue_key(queue_key, connection=connection, serializer=kwargs.get("serializer"))  # type: ignore[attr-defined]
             raise lost
         return fetched
+
+    # Dependents (the `rq:job:<id>:dependents` set, which anyone can write) are never released: tinkerq orders
+    # jobs by queue position alone. RQ calls these after a job succeeds or fails.
+    def move_dependents_to_ready(self, job, pipeline=None, exclude_job_id=None, refresh_job_status=True):  # noqa: ANN001, ANN201
+        return {}
+
+    def enqueue_dependents(self, job, exclude_job_id=None, refresh_job_status=True):  # noqa: ANN001, ANN201
+        return {}
+
+
+def _checked(popped):  # noqa: ANN001, ANN202 - (queue key, raw id) or None, as RQ's pops return
+    if popped is not None and admission.job_id(popped[1]) is None:
+        queue_key = popped[0].decode() if isinstance(popped[0], bytes) else popped[0]
+        raise BadQueueEntry(popped[1] if isinstance(popped[1], bytes) else popped[1].encode(), queue_key)
+    return popped
 
 
 class ShardWorker(SimpleWorker):
@@ -64,11 +161,13 @@ class ShardWorker(SimpleWorker):
         tick_s: int = 1,
         on_tick: Callable[[], None] | None = None,
         on_unloadable: Callable[[str, object, Exception], None] | None = None,
+        admit: Callable[[Job, str], Verdict] | None = None,
         **kwargs,
     ) -> None:
         self.tick_s = tick_s  # read by RQ's __init__ (connection timeout)
         self.on_tick = on_tick
         self.on_unloadable = on_unloadable
+        self.admit = admit
         super().__init__(*args, job_class=AllowlistJob, serializer="json", **kwargs)
         self.running: tuple | None = None
         self.stop_reason: str | None = None
@@ -108,9 +207,15 @@ class ShardWorker(SimpleWorker):
                 self.maintain_heartbeats(*self.running)
 
     def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):
+        """RQ's dequeue, where a job that cannot be loaded is answered and a queue entry that names no request
+        is dropped, and every job it returns carries the worker's verdict on it."""
         while True:
             try:
-                return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+                result = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+            except BadQueueEntry as exc:
+                log.error("%s", exc)
+                self.connection.lrem(IntermediateQueue.get_intermediate_queue_key(exc.queue_key), 1, exc.raw)
+                continue
             except Exception as exc:  # noqa: BLE001
                 job_id = getattr(exc, "job_id", None)
                 if job_id is None:
@@ -119,6 +224,11 @@ class ShardWorker(SimpleWorker):
                 log.error("job %s cannot be loaded (%s); answering it with an error", job_id, exc)
                 if self.on_unloadable is not None:
                     self.on_unloadable(job_id, exc.queue, exc)
+                continue
+            if result is not None and self.admit is not None:
+                job, queue = result
+                job.verdict = self.admit(job, queue.name)
+            return result
 
     def stop(self, reason: str) -> None:
         """Ask the loop to return after the current job (used when leases change)."""

@@ -1,0 +1,513 @@
+"""Jobs read from Redis are untrusted input: hashes and queue entries written straight into Redis (bypassing the
+producer) never crash, hijack or starve the worker, and each refused request gets its own ErrorResponse."""
+
+import http.server
+import json
+import math
+import re
+import threading
+import time
+import zlib
+
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+from rq.job import Job, JobStatus
+from tinker.proto import tinker_public_pb2 as pb
+
+from conftest import burst_worker
+from producer import Producer
+from schemas import (
+    CreateModelRequest,
+    ID_PATTERN,
+    Datum,
+    ForwardBackwardRequest,
+    ForwardRequest,
+    LoadStateRequest,
+    OptimStepRequest,
+    SampleOutput,
+    SampleRequest,
+    SamplingParams,
+    WeightSyncRequest,
+    parse_result,
+)
+from tinkerq import keys
+from tinkerq.config import RuntimeConfig
+from worker.main import WorkerProcess
+from worker.runtime.factory import build_runtime
+
+M = "untrusted:train:0"
+WAIT_S = 20
+
+
+def sample_payload(model_id: str = M, **fields) -> dict:
+    return {"kind": "sample", "model_id": model_id, "prompt_tokens": [1, 2], **fields}
+
+
+def job_data(payload: dict, func: str = "worker.jobs.sample") -> bytes:
+    """A job's `data` field as RQ's JSON serializer writes it (json writes NaN and Infinity as they are)."""
+    return zlib.compress(json.dumps([func, None, [payload], {}]).encode())
+
+
+def forge(r, rid: str | bytes, shard: int, payload: dict | None = None, func: str = "worker.jobs.sample",
+          data: bytes | None = None, **fields) -> None:
+    """Write a job hash as RQ's JSON serializer would (`fields` over RQ's usual ones) and queue its id on `shard`."""
+    rid = rid if isinstance(rid, bytes) else rid.encode()
+    if data is None:
+        data = job_data(payload if payload is not None else sample_payload(), func)
+    mapping = {"data": data, "status": "queued", "origin": keys.queue_name(shard), "timeout": 60,
+               "created_at": "2026-01-01T00:00:00.000000Z", "enqueued_at": "2026-01-01T00:00:00.000000Z",
+               "description": "forged", **fields}
+    r.hset(b"rq:job:" + rid, mapping=mapping)
+    r.rpush(f"rq:queue:{keys.queue_name(shard)}".encode(), rid)
+
+
+def other_shard(shard: int, num_shards: int) -> int:
+    return (shard + 1) % num_shards
+
+
+def serve_model(producer: Producer, model_id: str = M) -> None:
+    created = producer.wait(producer.submit(CreateModelRequest(model_id=model_id, base_model="ref")).request_id,
+                            WAIT_S)
+    assert created is not None and created.type == "create_model", created
+
+
+def good_sample_is_answered(producer: Producer, model_id: str = M) -> None:
+    """A request queued after the bad ones is served: the worker kept serving."""
+    ticket = producer.submit(SampleRequest(model_id=model_id, prompt_tokens=[3]))
+    out = producer.wait(ticket.request_id, WAIT_S)
+    assert isinstance(out, SampleOutput), out
+
+
+def settle(r, rids: list[str]) -> None:
+    """Wait until RQ is done with each job: callbacks and webhooks come after the result, with the RQ status."""
+    deadline = time.monotonic() + WAIT_S
+    while any(r.hget(f"rq:job:{rid}", "status") not in (b"finished", b"failed") for rid in rids):
+        assert time.monotonic() < deadline, {rid: r.hget(f"rq:job:{rid}", "status") for rid in rids}
+        time.sleep(0.05)
+
+
+def codes(producer: Producer, rids: list[str]) -> dict[str, str | None]:
+    return {rid: getattr(producer.wait(rid, WAIT_S), "code", None) for rid in rids}
+
+
+# -- ids and origins: each of these crashed the worker process -----------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("owned", ["one shard", "every shard"])  # RQ pops with LMOVE for one queue, BLPOP for more
+def test_queue_entries_that_name_no_request_and_forged_origins_never_crash_the_worker(r, config, start_worker,
+                                                                                       owned):
+    shard = keys.shard_of(M, config.num_shards)
+    worker = start_worker("--shards", str(shard)) if owned == "one shard" else start_worker()
+    producer = Producer(r, config)
+    serve_model(producer)
+    for raw in (b"\xff\xfe-not-utf8", b"", b"not an id", b"x" * 200):
+        r.rpush(f"rq:queue:{keys.queue_name(shard)}".encode(), raw)
+    forge(r, "with-space id", shard)  # a hash, but its id is none a producer makes: nothing to answer
+    origins = {"origin-empty": "", "origin-default": "default", "origin-garbled": "tinkerq.shard.xyz",
+               "origin-foreign": keys.queue_name(other_shard(shard, config.num_shards))}
+    for rid, origin in origins.items():
+        forge(r, rid, shard, origin=origin)
+    good_sample_is_answered(producer)
+    assert worker.alive(), worker.output()
+    assert codes(producer, list(origins)) == dict.fromkeys(origins, "invalid_job")
+    assert "origin" in producer.get("origin-foreign").error
+    queue_key = f"rq:queue:{keys.queue_name(shard)}"
+    assert r.llen(queue_key) == 0 and r.llen(f"{queue_key}:intermediate") == 0
+    assert not r.exists(keys.result_key("with-space id"))
+
+
+# -- limits: enforced by the worker too -----------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_every_limit_is_enforced_by_the_worker_not_only_by_the_producer(r, config, start_worker):
+    worker = start_worker()
+    producer = Producer(r, config)
+    serve_model(producer)
+    shard = keys.shard_of(M, config.num_shards)
+    over = {  # in queue order; the last two used to kill or stall the worker
+        "huge-prompt": sample_payload(prompt_tokens=[1] * 2_000_000),
+        "many-datums": {"kind": "forward", "model_id": M, "data": [{"model_input": [1]}] * 4097},
+        "topk": sample_payload(topk_prompt_logprobs=21),
+        "budget": sample_payload(prompt_tokens=[1] * 1000, num_samples=128, sampling_params={"max_tokens": 4096}),
+        "num-samples": sample_payload(num_samples=10**7),
+        "max-tokens": sample_payload(sampling_params={"max_tokens": 10**9}),
+    }
+    for rid, payload in over.items():
+        forge(r, rid, shard, payload, func="worker.jobs.training_op" if payload["kind"] == "forward" else
+              "worker.jobs.sample")
+    good_sample_is_answered(producer)
+    assert worker.alive(), worker.output()
+    results = {rid: producer.get(rid) for rid in over}
+    assert {rid: (out.code, out.status) for rid, out in results.items()} == \
+        dict.fromkeys(over, ("limit_exceeded", 400)), results
+    assert "TINKERQ_MAX_NUM_SAMPLES" in results["num-samples"].error
+    assert "TINKERQ_MAX_PROMPT_TOKENS" in results["huge-prompt"].error
+
+
+# -- nothing RQ would resolve or call from a hash -------------------------------------------------------------
+
+@pytest.mark.slow
+def test_callbacks_named_in_a_forged_hash_import_nothing(r, config, start_worker, tmp_path):
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    marker = tmp_path / "imported"
+    (hooks / "tq_forged_hook.py").write_text(
+        f"open({str(marker)!r}, 'a').write(__name__)\ndef hook(*args, **kwargs):\n    pass\n")
+    worker = start_worker(PYTHONPATH=str(hooks))
+    producer = Producer(r, config)
+    serve_model(producer)
+    shard = keys.shard_of(M, config.num_shards)
+    forged = {
+        "cb-success": {"success_callback_name": "tq_forged_hook.hook"},  # a job that would succeed
+        "cb-failure": {"failure_callback_name": "tq_forged_hook.hook"},
+        "cb-stopped": {"stopped_callback_name": "tq_forged_hook.hook", "stopped_callback_timeout": "soon"},
+    }
+    for rid, fields in forged.items():
+        forge(r, rid, shard, **fields)
+    forge(r, "cb-failing", shard, func="os.getcwd", failure_callback_name="tq_forged_hook.hook")  # one that fails
+    good_sample_is_answered(producer)
+    settle(r, ["cb-success", "cb-failure", "cb-failing"])  # ("cb-stopped" does not even load on today's RQ)
+    assert worker.alive(), worker.output()
+    assert not marker.exists(), "a module named in a job hash was imported"
+    assert codes(producer, [*forged, "cb-failing"]) == dict.fromkeys([*forged, "cb-failing"], "invalid_job")
+    assert "callback" in producer.get("cb-success").error
+
+
+class Listener(http.server.ThreadingHTTPServer):
+    """A local HTTP server that records every request it gets."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        listener = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _record(self) -> None:
+                listener.seen.append(f"{self.command} {self.path}")
+                self.send_response(200)
+                self.end_headers()
+
+            do_GET = do_POST = _record
+
+            def log_message(self, *args) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+@pytest.mark.slow
+def test_webhooks_in_a_forged_hash_send_no_request(r, config, start_worker):
+    listener = Listener()
+    try:
+        worker = start_worker()
+        producer = Producer(r, config)
+        serve_model(producer)
+        shard = keys.shard_of(M, config.num_shards)
+        hooks = [{"url": f"{listener.url}/{status}", "job_status": status, "method": method}
+                 for status in ("finished", "failed") for method in ("GET", "POST")]
+        forge(r, "wh-finishing", shard, webhooks=json.dumps(hooks))
+        forge(r, "wh-failing", shard, func="os.getcwd", webhooks=json.dumps(hooks))
+        good_sample_is_answered(producer)
+        settle(r, ["wh-finishing", "wh-failing"])
+        time.sleep(0.2)  # a webhook is sent once the job's status is written: give a sent one time to arrive
+        assert worker.alive(), worker.output()
+        assert listener.seen == []
+        assert codes(producer, ["wh-finishing", "wh-failing"]) == {"wh-finishing": "invalid_job",
+                                                                   "wh-failing": "invalid_job"}
+    finally:
+        listener.shutdown()
+        listener.server_close()
+
+
+def test_forged_dependents_retries_and_repeats_are_not_acted_on(r, config, tmp_path):
+    producer = Producer(r, config)
+    producer.submit(CreateModelRequest(model_id=M, base_model="ref"))
+    shard = keys.shard_of(M, config.num_shards)
+    forge(r, "hooked", shard, retries_left=3, repeats_left=3)
+    # a deferred job that RQ would enqueue once "hooked" ends (its dependents set is a key anyone can write)
+    r.hset("rq:job:dependent", mapping={
+        "data": job_data(sample_payload()),
+        "status": "deferred", "origin": keys.queue_name(shard), "created_at": "2026-01-01T00:00:00.000000Z",
+        "dependency_ids": json.dumps(["hooked"]), "allow_dependency_failures": 1})
+    r.sadd("rq:job:hooked:dependents", "dependent")
+    burst_worker(r, config, tmp_path).run(burst=True, logging_level="WARNING")
+    assert producer.get("hooked").code == "invalid_job"
+    job = Job.fetch("hooked", connection=r, serializer="json")
+    assert len(job.results()) == 1  # run once: no retry, no repeat
+    assert job.get_status() == JobStatus.FAILED
+    assert producer.get("dependent") is None
+    assert Job.fetch("dependent", connection=r, serializer="json").get_status() == JobStatus.DEFERRED
+    assert all(r.llen(f"rq:queue:{keys.queue_name(k)}") == 0 for k in range(config.num_shards))
+
+
+def test_a_zlib_bomb_in_the_job_data_is_refused_not_inflated(r, config, tmp_path, monkeypatch):
+    from worker.rq_worker import AllowlistJob
+
+    monkeypatch.setattr(AllowlistJob, "max_data_bytes", 1 << 20, raising=False)  # the bound, scaled down for the test
+    producer = Producer(r, config)
+    producer.submit(CreateModelRequest(model_id=M, base_model="ref"))
+    shard = keys.shard_of(M, config.num_shards)
+    forge(r, "bomb", shard, data=zlib.compress(b"[" * (4 << 20), 9))  # 4 MB of '[' in a few kB
+    good = producer.submit(SampleRequest(model_id=M, prompt_tokens=[3]))
+    burst_worker(r, config, tmp_path).run(burst=True, logging_level="WARNING")
+    out = producer.get("bomb")
+    assert (out.code, out.status) == ("invalid_job", 400) and "exceeds" in out.error
+    assert isinstance(producer.get(good.request_id), SampleOutput)
+
+
+# -- one bad job never fails another ----------------------------------------------------------------------------
+
+def test_a_corrupt_job_in_the_batch_look_ahead_fails_only_itself(r, config, tmp_path):
+    producer = Producer(r, config)
+    producer.submit(CreateModelRequest(model_id=M, base_model="ref"))
+    first = producer.submit(SampleRequest(model_id=M, prompt_tokens=[3]))
+    bad_date = producer.submit(SampleRequest(model_id=M, prompt_tokens=[3]))
+    r.hset(f"rq:job:{bad_date.request_id}", "created_at", "not a date")
+    r.rpush(f"rq:queue:{keys.queue_name(first.shard)}", b"\xff-not-utf8")
+    too_many = producer.submit(SampleRequest(model_id=M, prompt_tokens=[3]))  # a real job, its payload rewritten
+    r.hset(f"rq:job:{too_many.request_id}", "data", job_data(sample_payload(num_samples=129)))
+    last = producer.submit(SampleRequest(model_id=M, prompt_tokens=[3]))
+    worker = burst_worker(r, config, tmp_path)
+    worker.run(burst=True, logging_level="WARNING")
+    assert isinstance(producer.get(first.request_id), SampleOutput), producer.get(first.request_id)
+    assert isinstance(producer.get(last.request_id), SampleOutput)
+    assert producer.get(bad_date.request_id).code == "invalid_job"
+    assert producer.get(too_many.request_id).code == "limit_exceeded"
+    assert worker.dispatcher.runtime.engine.batches[0] == 2  # the first and the last, together, and no one else
+
+
+def test_a_job_of_a_shard_the_worker_does_not_own_gets_an_explicit_result(r, config, tmp_path):
+    producer = Producer(r, config)
+    shard = keys.shard_of(M, config.num_shards)
+    other = other_shard(shard, config.num_shards)
+    elsewhere = next(m for m in (f"m{i}:train:0" for i in range(100)) if keys.shard_of(m, config.num_shards) == other)
+    producer.submit(CreateModelRequest(model_id=M, base_model="ref"))
+    forge(r, "foreign-origin", shard, origin=keys.queue_name(other))  # says it belongs to a shard not owned here
+    forge(r, "foreign-model", shard, sample_payload(elsewhere))  # its model routes to that shard
+    good = producer.submit(SampleRequest(model_id=M, prompt_tokens=[3]))
+    runtime = build_runtime(RuntimeConfig(runtime="reference", checkpoint_root=str(tmp_path / "ckpt")))
+    WorkerProcess(r, runtime, config, shards=[shard]).run(burst=True, logging_level="WARNING")
+    assert producer.get("foreign-origin").code == "invalid_job"
+    assert producer.get("foreign-model").code == "wrong_shard"
+    assert isinstance(producer.get(good.request_id), SampleOutput)
+    assert Job.fetch("foreign-origin", connection=r, serializer="json").get_status() == JobStatus.FAILED
+
+
+# -- non-finite numbers -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_loss_inputs_are_refused_at_validation(bad):
+    with pytest.raises(ValidationError, match="finite"):
+        Datum(model_input=[1, 2], loss_fn_inputs={"advantages": [0.5, bad]})
+    with pytest.raises(ValidationError, match="finite"):
+        ForwardRequest(model_id=M, data=[Datum(model_input=[1])], loss_fn="ppo", loss_fn_config={"clip": bad})
+
+
+def test_a_forged_job_with_non_finite_advantages_is_refused_by_the_worker(r, config, tmp_path):
+    producer = Producer(r, config)
+    producer.submit(CreateModelRequest(model_id=M, base_model="ref"))
+    shard = keys.shard_of(M, config.num_shards)
+    datum = {"model_input": [1, 2], "loss_fn_inputs": {"advantages": [math.nan, math.inf]}}
+    forge(r, "nan-adv", shard, {"kind": "forward_backward", "model_id": M, "data": [datum]},
+          func="worker.jobs.training_op")
+    good = producer.submit(SampleRequest(model_id=M, prompt_tokens=[3]))
+    burst_worker(r, config, tmp_path).run(burst=True, logging_level="WARNING")
+    out = producer.get("nan-adv")  # parses: the stored result is one
+    assert (out.code, out.status) == ("invalid_request", 400) and "finite" in out.error
+    assert isinstance(producer.get(good.request_id), SampleOutput)
+
+
+def test_a_non_finite_output_is_stored_as_a_result_that_reads_back(r, redis_url, config, tmp_path):
+    from producer.api.app import create_app
+    from producer.api.settings import ApiSettings
+
+    producer = Producer(r, config)
+    producer.submit(CreateModelRequest(model_id=M, base_model="ref"))
+    # finite inputs whose loss overflows: the reference loss is -sum(logprob * sum(weights))
+    overflow = producer.submit(ForwardRequest(model_id=M, data=[
+        Datum(model_input=[1, 2, 3], loss_fn_inputs={"weights": [1e308, 1e308, 1e308]})]))
+    burst_worker(r, config, tmp_path).run(burst=True, logging_level="WARNING")
+    out = parse_result(r.get(keys.result_key(overflow.request_id)))
+    assert out.type == "forward_backward" and out.metrics["loss:sum"] == math.inf
+    assert producer.wait(overflow.request_id, 1).metrics["loss:sum"] == math.inf
+    settings = ApiSettings(api_keys="tml-good", long_poll_s=0.5)
+    with TestClient(create_app(redis_url, settings, config)) as api:
+        response = api.post("/api/v1/retrieve_future", json={"request_id": overflow.request_id},
+                            headers={"X-API-Key": "tml-good"})
+    assert response.status_code == 200, response.text
+    assert pb.ForwardBackwardOutput.FromString(response.content).metrics["loss:sum"] == math.inf
+
+
+def test_a_non_finite_loss_input_through_the_api_is_a_400(r, redis_url, config, tmp_path):
+    import numpy as np
+
+    from producer.api.app import create_app
+    from producer.api.settings import ApiSettings
+
+    settings = ApiSettings(api_keys="tml-good", long_poll_s=0.5)
+    headers = {"X-API-Key": "tml-good"}
+    with TestClient(create_app(redis_url, settings, config)) as api:
+        session = api.post("/api/v1/create_session", json={"tags": []}, headers=headers).json()["session_id"]
+        created = api.post("/api/v1/create_model", json={"session_id": session, "model_seq_id": 0,
+                                                         "base_model": "tinyq-micro"}, headers=headers).json()
+        burst_worker(r, config, tmp_path).run(burst=True, logging_level="WARNING")
+        message = pb.ForwardBackwardRequest(model_id=created["model_id"], seq_id=1, loss_fn="importance_sampling")
+        datum = message.data.add()
+        datum.model_input.add().encoded_text.tokens = np.asarray([1, 2], dtype="<i4").tobytes()
+        advantages = datum.loss_fn_inputs["advantages"]
+        advantages.dense = np.asarray([0.5, np.nan], dtype="<f4").tobytes()
+        advantages.dtype = pb.DTYPE_FLOAT32
+        advantages.shape.append(2)
+        response = api.post("/api/v1/forward_backward", content=message.SerializeToString(),
+                            headers={**headers, "Content-Type": "application/x-protobuf"})
+    assert response.status_code == 400, response.text
+    assert "finite" in response.json()["error"]
+
+
+# -- anything at all ----------------------------------------------------------------------------------------------
+
+RQ_FIELDS = ["data", "status", "origin", "created_at", "enqueued_at", "started_at", "ended_at", "last_heartbeat",
+             "timeout", "result_ttl", "failure_ttl", "ttl", "description", "worker_name", "meta", "result",
+             "exc_info", "group_id", "dependency_ids", "dependency_id", "allow_dependency_failures",
+             "enqueue_at_front", "retries_left", "retry_intervals", "number_of_retries", "repeats_left",
+             "repeat_intervals", "rate_limit_key", "rate_limit_concurrency", "success_callback_name",
+             "failure_callback_name", "stopped_callback_name", "success_callback_timeout", "webhooks"]
+FUZZ_MODELS = ["fuzz:train:0", "fuzz:train:1", "", "x" * 200]  # never M: fuzzed jobs must not change its weights
+
+
+def fuzz_entries(hook: str, listener_url: str, num_shards: int):
+    """Lists of queue entries: an id (often none a producer makes) pushed on a shard queue, with maybe a job hash
+    (mostly well formed, so that its payload gets judged, then bent by a few random fields) and a request record."""
+    scalar = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(), st.text(max_size=20))
+    json_value = st.recursive(scalar, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                              st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+                              max_leaves=12)
+    model = st.sampled_from(FUZZ_MODELS[:2])
+    tokens = st.lists(st.integers(0, 50), min_size=1, max_size=4)
+    valid = st.one_of(  # requests a producer could have sent, for models other than M
+        st.builds(SampleRequest, model_id=model, prompt_tokens=tokens, num_samples=st.integers(1, 3),
+                  sampling_params=st.builds(SamplingParams, max_tokens=st.integers(1, 8))),
+        st.builds(WeightSyncRequest, model_id=model, version=st.integers(1, 3)),
+        st.builds(CreateModelRequest, model_id=model, base_model=st.just("ref")),
+        st.builds(ForwardBackwardRequest, model_id=model, seq_id=st.integers(1, 3),
+                  data=st.lists(st.builds(Datum, model_input=tokens), min_size=1, max_size=2)),
+        st.builds(OptimStepRequest, model_id=model, seq_id=st.integers(1, 3)),
+        st.builds(LoadStateRequest, model_id=model, path=st.sampled_from(["/etc/passwd", "../x", "tinker://a/b"])),
+    ).map(lambda request: request.model_dump(mode="json"))
+    huge = st.one_of(st.integers(-1, 10**8), st.integers(-2**70, 2**70))
+    bent_request = {  # payload field -> what it may become
+        "num_samples": huge, "prompt_tokens": st.one_of(st.lists(st.integers(-1, 2**40), max_size=6), json_value),
+        "sampling_params": st.fixed_dictionaries({}, optional={"max_tokens": huge, "temperature": st.floats(),
+                                                              "top_k": st.integers(-2, 3), "stop": json_value}),
+        "topk_prompt_logprobs": huge, "weights_version": huge, "seq_id": huge, "version": huge,
+        "model_id": st.sampled_from(FUZZ_MODELS), "kind": st.text(max_size=8),
+        "data": st.lists(st.fixed_dictionaries({"model_input": st.lists(st.integers(-1, 9), max_size=3)}, optional={
+            "loss_fn_inputs": st.dictionaries(st.sampled_from(["weights", "advantages", "target_tokens"]),
+                                              st.lists(st.floats(), max_size=3), max_size=2)}), max_size=3),
+        "loss_fn_config": st.dictionaries(st.text(max_size=5), st.floats(), max_size=2), "extra": json_value,
+    }
+    bend_request = st.sampled_from(sorted(bent_request)).flatmap(lambda k: st.tuples(st.just(k), bent_request[k]))
+    request = st.builds(lambda payload, bends: {**payload, **dict(bends)}, valid, st.lists(bend_request, max_size=2))
+    allowed = st.sampled_from(["worker.jobs.sample", "worker.jobs.training_op", "worker.jobs.weight_sync"])
+    func = st.one_of(allowed, allowed, allowed, st.sampled_from(["os.getcwd", hook, "builtins.print", ""]))
+    data = st.one_of(
+        st.builds(lambda f, p: job_data(p, f), func, request),
+        st.builds(lambda f, i, a, k: zlib.compress(json.dumps([f, i, a, k]).encode()), func, json_value, json_value,
+                  json_value),
+        st.builds(lambda v: json.dumps(v).encode(), json_value), st.binary(max_size=40),
+        st.builds(zlib.compress, st.binary(max_size=40)))
+    date = st.one_of(st.just("2026-01-01T00:00:00.000000Z"), st.text(max_size=12), st.binary(max_size=12))
+    bent = {  # field -> what it may become
+        "data": data,
+        "origin": st.one_of(st.sampled_from([keys.queue_name(k) for k in range(num_shards)]
+                                            + ["", "default", "tinkerq.shard.xyz"]), st.text(max_size=12)),
+        "status": st.one_of(st.sampled_from(["started", "finished", "deferred", "canceled"]), st.binary(max_size=8)),
+        "created_at": date, "enqueued_at": date, "last_heartbeat": date, "started_at": date,
+        "timeout": st.one_of(st.integers(-5, 10**6).map(str), st.text(max_size=6)),
+        "success_callback_name": st.just(hook), "failure_callback_name": st.just(hook),
+        "stopped_callback_name": st.just(hook),
+        "webhooks": st.one_of(st.just(json.dumps([{"url": listener_url, "job_status": s, "method": "POST"}
+                                                  for s in ("finished", "failed")])), st.binary(max_size=20)),
+        "dependency_ids": st.one_of(st.just(json.dumps(["fuzz-parent"])), st.binary(max_size=10)),
+    }
+    junk = st.one_of(st.binary(max_size=30), st.text(max_size=30), st.integers().map(str))
+    bend = st.one_of(st.sampled_from(sorted(bent)).flatmap(lambda name: st.tuples(st.just(name), bent[name])),
+                     st.tuples(st.one_of(st.sampled_from(RQ_FIELDS), st.binary(min_size=1, max_size=10)), junk))
+
+    @st.composite
+    def entry(draw):
+        payload = draw(request)
+        routed = keys.shard_of(str(payload.get("model_id")), num_shards)
+        shard = draw(st.one_of(st.just(routed), st.just(routed), st.integers(0, num_shards - 1)))
+        job = {"data": job_data(payload, draw(func)), "status": "queued",
+               "origin": keys.queue_name(shard), "created_at": "2026-01-01T00:00:00.000000Z",
+               "enqueued_at": "2026-01-01T00:00:00.000000Z", "timeout": "60", "description": "fuzz"}
+        job.update(draw(st.lists(bend, max_size=3)))
+        return {
+            "id": draw(st.one_of(st.from_regex(r"[A-Za-z0-9_-]{1,20}", fullmatch=True), st.binary(max_size=12),
+                                 st.text(max_size=12))),
+            "hash": draw(st.one_of(st.just(job), st.just(job), st.just(job), st.none(), st.just("wrong type"))),
+            "record": draw(st.one_of(st.none(), st.just("wrong type"), st.fixed_dictionaries({
+                "kind": st.sampled_from(["sample", "optim_step", "garbage"]), "model": st.sampled_from(FUZZ_MODELS)}))),
+            "shard": shard,
+        }
+
+    return st.lists(entry(), min_size=1, max_size=5)
+
+
+@pytest.mark.slow
+def test_random_job_hashes_and_queue_entries_never_stop_the_worker(r, config, start_worker, tmp_path):
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    marker = tmp_path / "imported"
+    (hooks / "tq_fuzz_hook.py").write_text(f"open({str(marker)!r}, 'a').write(__name__)\ndef hook(*a, **k): pass\n")
+    listener = Listener()
+    worker = start_worker("--runtime", "reference", PYTHONPATH=str(hooks))
+    producer = Producer(r, config)
+    serve_model(producer)
+    answerable: set[str] = set()
+    examples = iter(range(10**9))
+
+    # No shrinking: the worker process lives across examples, so a smaller example would not replay the same state.
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+              phases=[Phase.explicit, Phase.generate])
+    @given(entries=fuzz_entries("tq_fuzz_hook.hook", listener.url, config.num_shards))
+    def check(entries):
+        prefix = f"f{next(examples)}-".encode()  # ids of one example never meet another's
+        for entry in entries:
+            rid = prefix + (entry["id"] if isinstance(entry["id"], bytes) else entry["id"].encode())
+            r.delete(b"rq:job:" + rid, b"tq:req:" + rid)  # an id may come twice in one example
+            if entry["hash"] == "wrong type":
+                r.set(b"rq:job:" + rid, b"not a hash")
+            elif entry["hash"] is not None:
+                r.hset(b"rq:job:" + rid, mapping=entry["hash"])
+            if entry["record"] == "wrong type":
+                r.set(b"tq:req:" + rid, b"not a hash")
+            elif entry["record"] is not None:
+                r.hset(b"tq:req:" + rid, mapping=entry["record"])
+            r.rpush(f"rq:queue:{keys.queue_name(entry['shard'])}".encode(), rid)
+            if re.fullmatch(ID_PATTERN, rid.decode(errors="replace")):
+                answerable.add(rid.decode())
+        assert worker.alive(), worker.output()
+        good_sample_is_answered(producer)
+
+    try:
+        check()
+        # every queued request id got its one result (a parked training op, once its seq gap timed out)
+        deadline = time.monotonic() + config.seq_gap_timeout_s + 5
+        while (unanswered := [rid for rid in answerable if producer.get(rid) is None]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert unanswered == []
+        assert worker.alive(), worker.output()
+        assert not marker.exists(), "a module named in a job hash was imported"
+        assert listener.seen == []
+    finally:
+        listener.shutdown()
+        listener.server_close()
