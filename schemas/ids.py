@@ -11,6 +11,10 @@ ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
 # Tinker model ids look like "<session>:train:<n>"; ':' and '.' are allowed, braces and spaces never.
 MODEL_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
 
+# A checkpoint's name (save_state, a named weight sync): a file name under the model's checkpoint directory.
+CHECKPOINT_NAME = r"[A-Za-z0-9_.-]{1,128}"
+CHECKPOINT_NAME_PATTERN = rf"^{CHECKPOINT_NAME}$"
+
 # A sampled sequence: "<sampling session id>:<seq_id>:<index>", the session's id first.
 SEQUENCE_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,200}:[0-9]{1,12}:[0-9]{1,6}$"
 

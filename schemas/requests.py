@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
-from schemas.ids import SEQUENCE_ID_PATTERN, ModelId, base_model_id
+from schemas.ids import CHECKPOINT_NAME, CHECKPOINT_NAME_PATTERN, SEQUENCE_ID_PATTERN, ModelId, base_model_id
 
 
 class _Strict(BaseModel):
@@ -84,7 +84,7 @@ class WeightSyncRequest(_Strict):
     kind: Literal["weight_sync"] = "weight_sync"
     model_id: ModelId
     # A name persists a full HF-format snapshot; without one the sync is transient (in memory only).
-    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,128}$")
+    name: str | None = Field(None, pattern=CHECKPOINT_NAME_PATTERN)
     # Assigned by the producer at enqueue (INCR); callers never set it.
     version: int | None = Field(None, ge=1)
     # Tinker sends syncs in its training seq_id order; None runs it in queue order.
@@ -164,7 +164,7 @@ class CustomLoss(_Strict):
         return "loss-" + hashlib.blake2b(canonical.encode(), digest_size=12).hexdigest()
 
 
-CHECKPOINT_ID_PATTERN = r"^(weights|sampler_weights)/[A-Za-z0-9_.-]{1,128}$"
+CHECKPOINT_ID_PATTERN = rf"^(weights|sampler_weights)/{CHECKPOINT_NAME}$"
 
 
 class DeleteCheckpointRequest(_TrainingOp):
@@ -219,7 +219,7 @@ class OptimStepRequest(_TrainingOp):
 
 class SaveStateRequest(_TrainingOp):
     kind: Literal["save_state"] = "save_state"
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,128}$")
+    name: str = Field(pattern=CHECKPOINT_NAME_PATTERN)
     include_optimizer: bool = True
 
 

@@ -30,19 +30,20 @@ def start_worker(redis_url: str, runtime: str, workdir: Path) -> subprocess.Pope
                             env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def wait_ok(producer: Producer, ticket, timeout: float = 600):
-    result = producer.wait(ticket.request_id, timeout)
+def wait_ok(producer: Producer, request_id: str, timeout: float = 600):
+    """The request's output; raises if it failed or did not come within `timeout` seconds."""
+    result = producer.wait(request_id, timeout)
     if result is None:
-        raise TimeoutError(f"no result for {ticket.request_id} within {timeout}s")
+        raise TimeoutError(f"no result for {request_id} within {timeout}s")
     if result.type == "error":
-        raise RuntimeError(f"{ticket.request_id} failed: {result.code}: {result.error}")
+        raise RuntimeError(f"{request_id} failed: {result.code}: {result.error}")
     return result
 
 
 def ordering_demo(producer: Producer, steps: int) -> None:
     """Reference runtime: every sampled token is the weights version that served it."""
     model = "demo:train:0"
-    wait_ok(producer, producer.submit(CreateModelRequest(model_id=model, base_model="reference")))
+    wait_ok(producer, producer.submit(CreateModelRequest(model_id=model, base_model="reference")).request_id)
     print(f"{'step':>4}  {'sync v':>6}  tokens of 4 samples enqueued before that sync (token = version that served it)")
     for step in range(steps):
         samples = [producer.submit(SampleRequest(model_id=model, prompt_tokens=[1, 2, 3], num_samples=2,
@@ -51,8 +52,8 @@ def ordering_demo(producer: Producer, steps: int) -> None:
         producer.submit(ForwardBackwardRequest(model_id=model, seq_id=seq, data=[Datum(model_input=[1, 2, 3])]))
         producer.submit(OptimStepRequest(model_id=model, seq_id=seq + 1))
         sync = producer.submit(WeightSyncRequest(model_id=model))
-        outs = [wait_ok(producer, s) for s in samples]
-        synced = wait_ok(producer, sync)
+        outs = [wait_ok(producer, s.request_id) for s in samples]
+        synced = wait_ok(producer, sync.request_id)
         tokens = " ".join(str(o.sequences[0].tokens) for o in outs)
         print(f"{step:>4}  {synced.version:>6}  {tokens}")
 

@@ -28,6 +28,7 @@ from schemas import (
     SamplingParams,
     WeightSyncRequest,
 )
+from tinkerq.demo import wait_ok
 from tinkerq.local_models import corpus, resolve
 
 PROMPTS, GROUP, MAX_TOKENS = 8, 8, 12
@@ -39,13 +40,6 @@ class History:
     rewards: list[float] = field(default_factory=list)
     sync_ms: list[float] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
-
-
-def wait_ok(producer: Producer, request_id: str, timeout: float = 600):
-    result = producer.wait(request_id, timeout)
-    if result is None or result.type == "error":
-        raise RuntimeError(f"request {request_id} did not succeed: {result}")
-    return result
 
 
 def build_datums(prompt: list[int], output: SampleOutput, rewards: list[float]) -> list[Datum]:

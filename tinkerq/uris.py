@@ -2,8 +2,10 @@
 
 import re
 
+from schemas.ids import CHECKPOINT_NAME
+
 TINKER_URI = re.compile(r"^tinker://(?P<model>[A-Za-z0-9_.:-]{1,128})/(?P<kind>weights|sampler_weights)/"
-                        r"(?P<name>[A-Za-z0-9_.-]{1,128})$")
+                        rf"(?P<name>{CHECKPOINT_NAME})$")
 
 
 def tinker_uri(model_id: str, kind: str, name: str) -> str:

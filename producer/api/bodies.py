@@ -20,12 +20,12 @@ from schemas import (
     SaveStateRequest,
     WeightSyncRequest,
 )
-from schemas.ids import ID_PATTERN, MODEL_ID_PATTERN, losses_model_id
+from schemas.ids import CHECKPOINT_NAME_PATTERN, ID_PATTERN, MODEL_ID_PATTERN, losses_model_id
 
 SessionId = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
 ModelId = Annotated[str, StringConstraints(pattern=MODEL_ID_PATTERN)]
 SamplerId = Annotated[str, StringConstraints(pattern=MODEL_ID_PATTERN)]
-Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,128}$")]
+Name = Annotated[str, StringConstraints(pattern=CHECKPOINT_NAME_PATTERN)]
 TinkerPath = Annotated[str, StringConstraints(max_length=512, pattern=r"^tinker://")]
 
 
@@ -75,12 +75,14 @@ class ModelRef(Body):
 
 
 class AdamParamsBody(Body):
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
+    """What the SDK sends; what it leaves out takes the queue's defaults (schemas.AdamParams)."""
+
+    learning_rate: float | None = None
+    beta1: float | None = None
+    beta2: float | None = None
+    eps: float | None = None
+    weight_decay: float | None = None
+    grad_clip_norm: float | None = None
 
 
 class OptimStep(Body):
@@ -90,7 +92,7 @@ class OptimStep(Body):
 
     def to_request(self) -> OptimStepRequest:
         return OptimStepRequest(model_id=self.model_id, seq_id=self.seq_id,
-                                adam_params=AdamParams(**self.adam_params.model_dump()))
+                                adam_params=AdamParams(**self.adam_params.model_dump(exclude_none=True)))
 
 
 class SaveWeightsForSampler(Body):

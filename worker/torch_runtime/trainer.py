@@ -9,6 +9,7 @@ import torch
 from peft import LoraConfig
 
 from schemas import (
+    AdamParams,
     CreateModelOutput,
     CreateModelRequest,
     CustomLoss,
@@ -51,6 +52,12 @@ def _tensors(inputs: dict[str, list[float]], device: torch.device) -> dict[str, 
     return {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in inputs.items() if k != "target_tokens"}
 
 
+def adamw_kwargs(adam: AdamParams) -> dict:
+    """Tinker's Adam parameters as torch.optim.AdamW's (decoupled weight decay)."""
+    return {"lr": adam.learning_rate, "betas": (adam.beta1, adam.beta2), "eps": adam.eps,
+            "weight_decay": adam.weight_decay}
+
+
 def peft_config(spec: LoraSpec) -> LoraConfig:
     targets = (ATTN if spec.train_attn else []) + (MLP if spec.train_mlp else []) + \
         (["lm_head"] if spec.train_unembed else [])
@@ -86,7 +93,7 @@ class TorchTrainer(Trainer):
         params = [p for n, p in base.model.named_parameters() if f".{name}." in n]
         for p in params:
             p.requires_grad_(True)
-        optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+        optimizer = torch.optim.AdamW(params, **adamw_kwargs(AdamParams()))
         self.models[model_id] = TrainedModel(model_id, base, name, spec, optimizer)
         return self.models[model_id]
 
@@ -175,8 +182,7 @@ class TorchTrainer(Trainer):
         trained = self.models[request.model_id]
         adam = request.adam_params
         for group in trained.optimizer.param_groups:
-            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
-                         weight_decay=adam.weight_decay)
+            group.update(adamw_kwargs(adam))
         params = [p for p in trained.params if p.grad is not None]
         max_norm = adam.grad_clip_norm if adam.grad_clip_norm > 0 else float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
