@@ -21,11 +21,11 @@ from schemas import (
 from schemas import LoraConfig as LoraSpec
 from worker.runtime import paths
 from worker.runtime.base import DomainError, Trainer
-from worker.torch_runtime import losses
 from worker.torch_runtime.bases import BaseModels, LoadedBase, adapter_name
 from worker.torch_runtime.checkpoints import extract_archive, write_archive
 from worker.torch_runtime.lora_io import LoraWeights, export_adapter, import_adapter, load_adapter, save_adapter, \
     save_merged
+from worker.torch_runtime.packed_forward import TrainOptions, forward_request
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -53,9 +53,10 @@ def peft_config(spec: LoraSpec) -> LoraConfig:
 
 
 class TorchTrainer(Trainer):
-    def __init__(self, bases: BaseModels, checkpoint_root: Path) -> None:
+    def __init__(self, bases: BaseModels, checkpoint_root: Path, options: TrainOptions | None = None) -> None:
         self.bases = bases
         self.root = checkpoint_root.resolve()
+        self.options = options  # None: the defaults of each base's device
         self.models: dict[str, TrainedModel] = {}
 
     def has_model(self, model_id: str) -> bool:
@@ -79,7 +80,8 @@ class TorchTrainer(Trainer):
         params = [p for n, p in base.model.named_parameters() if f".{name}." in n]
         for p in params:
             p.requires_grad_(True)
-        optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+        optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0,
+                                      fused=base.device.type == "cuda")  # one kernel for all tensors
         self.models[model_id] = TrainedModel(model_id, base, name, spec, optimizer)
         return self.models[model_id]
 
@@ -87,49 +89,11 @@ class TorchTrainer(Trainer):
 
     def forward(self, request: ForwardRequest, backward: bool) -> ForwardBackwardOutput:
         trained = self.models[request.model_id]
-        base = trained.base
-        tokens, targets, lengths = self._batch(request, base.vocab_size)
-        base.model.set_adapter(trained.adapter)
-        with torch.set_grad_enabled(backward):
-            mask = (torch.arange(tokens.shape[1])[None, :] < torch.tensor(lengths)[:, None]).to(base.device)
-            logits = base.model(input_ids=tokens.to(base.device), attention_mask=mask.long()).logits.float()
-            logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.to(base.device)[..., None])[..., 0]
-            total = torch.zeros((), device=base.device)
-            outputs = []
-            for i, (datum, n) in enumerate(zip(request.data, lengths)):
-                p = logprobs[i, :n]
-                elementwise = self._loss(request, datum.loss_fn_inputs, p, base.device)
-                total = total + elementwise.sum()
-                outputs.append({"logprobs": p.tolist(), "elementwise_loss": elementwise.tolist()})
-            if backward:
-                total.backward()
-        return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss:sum": total.item()})
-
-    @staticmethod
-    def _batch(request: ForwardRequest, vocab: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        lengths = [len(d.model_input) for d in request.data]
-        tokens = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
-        targets = torch.zeros_like(tokens)
-        for i, datum in enumerate(request.data):
-            if "target_tokens" not in datum.loss_fn_inputs:
-                raise DomainError(400, "invalid_request", f"data[{i}].loss_fn_inputs needs target_tokens")
-            row = datum.model_input
-            target = [int(t) for t in datum.loss_fn_inputs["target_tokens"]]
-            bad = [t for t in row + target if not 0 <= t < vocab]
-            if bad:
-                raise DomainError(400, "invalid_request", f"data[{i}] has token id {bad[0]} outside [0, {vocab})")
-            tokens[i, : len(row)] = torch.tensor(row)
-            targets[i, : len(row)] = torch.tensor(target)
-        return tokens, targets, lengths
-
-    @staticmethod
-    def _loss(request: ForwardRequest, inputs: dict[str, list[float]], p: torch.Tensor, device) -> torch.Tensor:
-        tensors = {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in inputs.items()
-                   if k != "target_tokens"}
-        try:
-            return losses.elementwise_loss(request.loss_fn, p, tensors, request.loss_fn_config)
-        except KeyError as exc:
-            raise DomainError(400, "invalid_request", f"{request.loss_fn}: {exc.args[0]}") from exc
+        trained.base.model.set_adapter(trained.adapter)
+        outputs, total = forward_request(trained.base, trained.adapter, request, backward,
+                                         self.options or TrainOptions.for_device(trained.base.device),
+                                         trained.optimizer.param_groups[0]["params"])
+        return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss:sum": total})
 
     # -- optimizer ------------------------------------------------------------------------------
 
