@@ -7,10 +7,11 @@ backward recomputes each chunk's logits and turns them straight into the gradien
 of the LoRA A and B, so memory is O(chunk x vocab) whatever the batch and the frozen base weight gets no
 gradient. Logits stay in the model's dtype (as the sampler's are) and the softmax runs in float32.
 
-Why not Liger-Kernel's fused linear cross-entropy: it computes the gradient inside its forward, for an upstream
-gradient that is one scalar (it scales by `grad_output` as a whole), so per-token weights from an RL loss
-(advantages, ratios, sequence-level terms) cannot flow through it; and it takes one weight matrix, so a LoRA'd
-lm_head would need the merged weight and a full vocab x hidden weight gradient.
+Why not Liger-Kernel's fused linear cross-entropy: it computes the gradients inside its forward and its backward
+multiplies them by `grad_output` as one scalar (element_mul_kernel loads a single value), so with reduction="none"
+per-token upstream gradients from an RL loss (advantages, ratios, sequence-level terms) come out wrong; and it
+takes one weight matrix, so a LoRA'd lm_head would need the merged weight and a full vocab x hidden weight
+gradient to get A's and B's. Here the loss is applied between the two passes, whatever it is.
 """
 
 from dataclasses import dataclass
