@@ -75,8 +75,8 @@ def config_of(name: str):
                            num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                            rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
     s = LOCAL_MODELS[name]
-    return Qwen2Config(vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
-                       num_key_value_heads=s.kv_heads, intermediate_size=s.intermediate,
+    return Qwen2Config(vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.layers,
+                       num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, intermediate_size=s.intermediate,
                        max_position_embeddings=s.context, tie_word_embeddings=s.tie_embeddings)
 
 
@@ -207,7 +207,8 @@ def exactness(trainer, model_id, params, zero) -> dict:
     out = {}
     for loss_fn in ("cross_entropy", "importance_sampling"):
         def extra(n, g):
-            return {"logprobs": (-5 + torch.randn(n, generator=g)).tolist(), "advantages": torch.randn(n, generator=g).tolist()}
+            return {"logprobs": (-5 + torch.randn(n, generator=g)).tolist(),
+                    "advantages": torch.randn(n, generator=g).tolist()}
 
         request = request_of(model_id, lengths, vocab, seed=7, loss_fn=loss_fn, extra=extra)
         zero()
@@ -241,7 +242,8 @@ def run_model(name: str, args) -> dict:
     bases._loaded[name] = random_base(name, DEVICE)  # the bench builds, not from disk
     trainer = TorchTrainer(bases, Path(tempfile.mkdtemp(prefix="gpu-trainer-")))
     model_id = f"bench-{name}:train:0"
-    trainer.create_model(CreateModelRequest(model_id=model_id, base_model=name, lora=LoraConfig(rank=args.rank, seed=0)))
+    lora = LoraConfig(rank=args.rank, seed=0)
+    trainer.create_model(CreateModelRequest(model_id=model_id, base_model=name, lora=lora))
     trained = trainer.models[model_id]
     model, config = trained.base.model, trained.base.model.config
     params = {n: p for n, p in model.named_parameters() if f".{trained.adapter}." in n}
@@ -306,6 +308,10 @@ def fmt(result: dict, row: dict) -> str:
             f"peak {result['peak_gib']:.1f} GiB")
 
 
+def mfu(row: dict, result: dict) -> str:
+    return f"{100 * row['flops'] / result['seconds'] / PEAK_FLOPS:.1f}%"
+
+
 def table(models: list[dict]) -> str:
     lines = ["| model | batch | ours tok/s | MFU | peak GiB | plain tok/s | MFU | peak GiB | speed x | memory x |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -317,8 +323,7 @@ def table(models: list[dict]) -> str:
                 if res is None or "oom" in res:
                     cells += ["OOM" if res else "-", "", ""]
                 else:
-                    cells += [f"{r['tokens'] / res['seconds']:,.0f}", f"{100 * r['flops'] / res['seconds'] / PEAK_FLOPS:.1f}%",
-                              f"{res['peak_gib']:.1f}"]
+                    cells += [f"{r['tokens'] / res['seconds']:,.0f}", mfu(r, res), f"{res['peak_gib']:.1f}"]
             ours, plain = r.get("ours", {}), r.get("plain", {})
             if "seconds" in ours and "seconds" in plain and plain["peak_gib"] > 0:
                 cells += [f"{plain['seconds'] / ours['seconds']:.2f}", f"{ours['peak_gib'] / plain['peak_gib']:.2f}"]
@@ -327,8 +332,8 @@ def table(models: list[dict]) -> str:
             lines.append("| " + " | ".join(cells) + " |")
             for label, res in r.items():
                 if isinstance(res, dict) and label not in ("ours", "plain") and "seconds" in res:
-                    lines.append(f"| | {label} | {r['tokens'] / res['seconds']:,.0f} | "
-                                 f"{100 * r['flops'] / res['seconds'] / PEAK_FLOPS:.1f}% | {res['peak_gib']:.1f} | | | | | |")
+                    lines.append(f"| | {label} | {r['tokens'] / res['seconds']:,.0f} | {mfu(r, res)} | "
+                                 f"{res['peak_gib']:.1f} | | | | | |")
     return "\n".join(lines)
 
 

@@ -177,7 +177,7 @@ def test_calls_accumulate_gradients_until_a_step(trainer, models):
 def test_a_call_failing_in_a_later_micro_batch_leaves_earlier_gradients_as_they_were(trainer, models):
     trainer.options = OPTIONS["micro-batches"]
     model = models["tinyq-micro"]
-    good, bad = batch(trainer, model, "importance_sampling", seed=3), batch(trainer, model, "importance_sampling", seed=4)
+    good, bad = (batch(trainer, model, "importance_sampling", seed=s) for s in (3, 4))
     del bad.data[-1].loss_fn_inputs["advantages"]  # the last datum is alone in the last of 5 passes
     trainer.forward(good, True)
     before = grads_of(trainer, model)

@@ -2,10 +2,11 @@
 
 The datums are packed without padding into micro-batches up to a token budget (`packing`); each micro-batch
 goes through the decoder (attention per sequence: `packed_attention`; LoRA updates fused, in the base's
-dtype: `lora_compute`; as many layers checkpointed as the activation budget asks: `activation_checkpointing`), then through the unembedding in chunks to per-token
-target logprobs (`unembedding`), then through the loss of each datum, `losses.elementwise_loss` on that datum's
-logprobs, and backward. Gradients accumulate over micro-batches, and are committed only when the whole call
-succeeds, so a request that fails halfway leaves the adapter's gradients as they were.
+dtype: `lora_compute`; as many layers checkpointed as the activation budget asks: `activation_checkpointing`),
+then through the unembedding in chunks to per-token target logprobs (`unembedding`), then through the loss of
+each datum, `losses.elementwise_loss` on that datum's logprobs, and backward. Gradients accumulate over
+micro-batches, and are committed only when the whole call succeeds, so a request that fails halfway leaves the
+adapter's gradients as they were.
 """
 
 import math
