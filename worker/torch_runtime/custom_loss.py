@@ -504,26 +504,40 @@ def _check_output(returned: Any, kwargs: dict) -> tuple[_Ref, dict[str, _Ref]]:
 # ---- a batch -----------------------------------------------------------------------------------------
 
 
+class BatchLoss:
+    """A compiled loss over the datums of one request, one datum at a time (as a trainer that packs datums into
+    micro-batches meets them), totalled as the SDK's client-side `run_loss_handle` does: the loss of the
+    request is the sum of its datums', metrics are summed over datums and those keyed `:mean` then divided
+    by the number of datums."""
+
+    def __init__(self, loss: CompiledLoss) -> None:
+        self.loss = loss
+        self._sums: dict[str, torch.Tensor] = {}
+
+    def __call__(self, index: int, logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Datum `index`'s 0-dim loss, its metrics added to the running sums."""
+        missing = [name for name in self.loss.input_names if name not in inputs]
+        if missing:
+            raise CustomLossError(f"datum[{index}] has no loss_fn_inputs {missing}, which the custom loss reads")
+        try:
+            datum_loss, metrics = self.loss(logprobs, *(inputs[name] for name in self.loss.input_names))
+        except CustomLossError as e:
+            raise CustomLossError(f"datum[{index}]: {e}") from None
+        for key, value in metrics.items():  # float64, like the SDK's sum of Python floats
+            value = value.detach().double()
+            self._sums[key] = self._sums[key] + value if key in self._sums else value
+        return datum_loss
+
+    def metrics(self, datums: int) -> dict[str, float]:
+        return {k: v.item() / datums if k.endswith(":mean") else v.item() for k, v in self._sums.items()}
+
+
 def run_loss_batch(
     loss: CompiledLoss, logprobs: Sequence[torch.Tensor], inputs: Sequence[Mapping[str, torch.Tensor]]
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The loss over a batch as the SDK's client-side `run_loss_handle` computes it: the sum of each
-    datum's loss; metrics summed over datums, those keyed `:mean` then divided by the number of datums."""
+    """The loss over a batch as the SDK's client-side `run_loss_handle` computes it (see BatchLoss)."""
     if not logprobs or len(logprobs) != len(inputs):
         raise CustomLossError(f"custom loss needs one set of inputs per datum, got {len(logprobs)} and {len(inputs)}")
-    total: torch.Tensor | None = None
-    sums: dict[str, torch.Tensor] = {}
-    for i, (datum_logprobs, datum_inputs) in enumerate(zip(logprobs, inputs)):
-        missing = [name for name in loss.input_names if name not in datum_inputs]
-        if missing:
-            raise CustomLossError(f"datum[{i}] has no loss_fn_inputs {missing}, which the custom loss reads")
-        try:
-            datum_loss, metrics = loss(datum_logprobs, *(datum_inputs[name] for name in loss.input_names))
-        except CustomLossError as e:
-            raise CustomLossError(f"datum[{i}]: {e}") from None
-        total = datum_loss if total is None else total + datum_loss
-        for key, value in metrics.items():  # float64, like the SDK's sum of Python floats
-            value = value.detach().double()
-            sums[key] = sums[key] + value if key in sums else value
-    assert total is not None
-    return total, {k: v.item() / len(logprobs) if k.endswith(":mean") else v.item() for k, v in sums.items()}
+    batch = BatchLoss(loss)
+    total = torch.stack([batch(i, p, x) for i, (p, x) in enumerate(zip(logprobs, inputs))]).sum()
+    return total, batch.metrics(len(logprobs))

@@ -23,11 +23,12 @@ from schemas import (
 from schemas import LoraConfig as LoraSpec
 from worker.runtime import paths
 from worker.runtime.base import DomainError, Trainer
-from worker.torch_runtime import custom_loss, losses
+from worker.torch_runtime import custom_loss
 from worker.torch_runtime.bases import BaseModels, LoadedBase, adapter_name
 from worker.torch_runtime.checkpoints import extract_archive, write_archive
 from worker.torch_runtime.lora_io import LoraWeights, export_adapter, import_adapter, load_adapter, save_adapter, \
     save_merged
+from worker.torch_runtime.packed_forward import TrainOptions, forward_request
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -47,11 +48,6 @@ class TrainedModel:
         return [p for n, p in self.base.model.named_parameters() if f".{self.adapter}." in n]
 
 
-def _tensors(inputs: dict[str, list[float]], device: torch.device) -> dict[str, torch.Tensor]:
-    """A datum's per-token loss inputs as float32 tensors (target_tokens already went into the batch)."""
-    return {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in inputs.items() if k != "target_tokens"}
-
-
 def adamw_kwargs(adam: AdamParams) -> dict:
     """Tinker's Adam parameters as torch.optim.AdamW's (decoupled weight decay)."""
     return {"lr": adam.learning_rate, "betas": (adam.beta1, adam.beta2), "eps": adam.eps,
@@ -66,9 +62,10 @@ def peft_config(spec: LoraSpec) -> LoraConfig:
 
 
 class TorchTrainer(Trainer):
-    def __init__(self, bases: BaseModels, checkpoint_root: Path) -> None:
+    def __init__(self, bases: BaseModels, checkpoint_root: Path, options: TrainOptions | None = None) -> None:
         self.bases = bases
         self.root = checkpoint_root.resolve()
+        self.options = options  # None: the defaults of each base's device
         self.models: dict[str, TrainedModel] = {}
         self._custom_losses: dict[str, custom_loss.CompiledLoss] = {}
 
@@ -93,7 +90,8 @@ class TorchTrainer(Trainer):
         params = [p for n, p in base.model.named_parameters() if f".{name}." in n]
         for p in params:
             p.requires_grad_(True)
-        optimizer = torch.optim.AdamW(params, **adamw_kwargs(AdamParams()))
+        optimizer = torch.optim.AdamW(params, **adamw_kwargs(AdamParams()),
+                                      fused=base.device.type == "cuda")  # one kernel for all tensors
         self.models[model_id] = TrainedModel(model_id, base, name, spec, optimizer)
         return self.models[model_id]
 
@@ -101,36 +99,16 @@ class TorchTrainer(Trainer):
 
     def forward(self, request: ForwardRequest, backward: bool) -> ForwardBackwardOutput:
         trained = self.models[request.model_id]
-        base = trained.base
-        tokens, targets, lengths = self._batch(request, base.vocab_size)
-        base.model.set_adapter(trained.adapter)
-        with torch.set_grad_enabled(backward):
-            mask = (torch.arange(tokens.shape[1])[None, :] < torch.tensor(lengths)[:, None]).to(base.device)
-            logits = base.model(input_ids=tokens.to(base.device), attention_mask=mask.long()).logits.float()
-            logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.to(base.device)[..., None])[..., 0]
-            per_datum = [logprobs[i, :n] for i, n in enumerate(lengths)]
-            total, outputs, metrics = self._losses(request, per_datum, base.device)
-            if backward:
-                total.backward()
-        return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss:sum": total.item(), **metrics})
-
-    def _losses(self, request: ForwardRequest, logprobs: list[torch.Tensor],
-                device: torch.device) -> tuple[torch.Tensor, list[dict[str, list[float]]], dict[str, float]]:
-        """The request's total loss, each datum's outputs, and the loss's own metrics."""
-        if request.custom_loss is not None:
-            inputs = [_tensors(d.loss_fn_inputs, device) for d in request.data]
-            try:
-                total, metrics = custom_loss.run_loss_batch(self._compiled(request.custom_loss), logprobs, inputs)
-            except custom_loss.CustomLossError as exc:
-                raise DomainError(400, "invalid_custom_loss", str(exc)) from exc
-            return total, [{"logprobs": p.tolist()} for p in logprobs], metrics
-        total = torch.zeros((), device=device)
-        outputs = []
-        for datum, p in zip(request.data, logprobs, strict=True):
-            elementwise = self._loss(request, datum.loss_fn_inputs, p, device)
-            total = total + elementwise.sum()
-            outputs.append({"logprobs": p.tolist(), "elementwise_loss": elementwise.tolist()})
-        return total, outputs, {}
+        trained.base.model.set_adapter(trained.adapter)
+        loss = custom_loss.BatchLoss(self._compiled(request.custom_loss)) if request.custom_loss else None
+        try:
+            outputs, total = forward_request(trained.base, trained.adapter, request, backward,
+                                             self.options or TrainOptions.for_device(trained.base.device),
+                                             trained.optimizer.param_groups[0]["params"], loss)
+        except custom_loss.CustomLossError as exc:
+            raise DomainError(400, "invalid_custom_loss", str(exc)) from exc
+        metrics = loss.metrics(len(request.data)) if loss is not None else {}
+        return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss:sum": total, **metrics})
 
     def check_custom_loss(self, loss: CustomLoss) -> None:
         self._compiled(loss)
@@ -150,31 +128,6 @@ class TorchTrainer(Trainer):
                 self._custom_losses.clear()
             self._custom_losses[loss.loss_id] = compiled
         return self._custom_losses[loss.loss_id]
-
-    @staticmethod
-    def _batch(request: ForwardRequest, vocab: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        lengths = [len(d.model_input) for d in request.data]
-        tokens = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
-        targets = torch.zeros_like(tokens)
-        for i, datum in enumerate(request.data):
-            if "target_tokens" not in datum.loss_fn_inputs:
-                raise DomainError(400, "invalid_request", f"data[{i}].loss_fn_inputs needs target_tokens")
-            row = datum.model_input
-            target = [int(t) for t in datum.loss_fn_inputs["target_tokens"]]
-            bad = [t for t in row + target if not 0 <= t < vocab]
-            if bad:
-                raise DomainError(400, "invalid_request", f"data[{i}] has token id {bad[0]} outside [0, {vocab})")
-            tokens[i, : len(row)] = torch.tensor(row)
-            targets[i, : len(row)] = torch.tensor(target)
-        return tokens, targets, lengths
-
-    @staticmethod
-    def _loss(request: ForwardRequest, inputs: dict[str, list[float]], p: torch.Tensor, device) -> torch.Tensor:
-        tensors = _tensors(inputs, device)
-        try:
-            return losses.elementwise_loss(request.loss_fn, p, tensors, request.loss_fn_config)
-        except KeyError as exc:
-            raise DomainError(400, "invalid_request", f"{request.loss_fn}: {exc.args[0]}") from exc
 
     # -- optimizer ------------------------------------------------------------------------------
 

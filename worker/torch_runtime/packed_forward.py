@@ -1,0 +1,144 @@
+"""forward / forward_backward of one request on one adapter, lean on memory and free of per-token Python.
+
+The datums are packed without padding into micro-batches up to a token budget (`packing`); each micro-batch
+goes through the decoder (attention per sequence: `packed_attention`; LoRA updates fused, in the base's
+dtype: `lora_compute`; as many layers checkpointed as the activation budget asks: `activation_checkpointing`),
+then through the unembedding in chunks to per-token target logprobs (`unembedding`), then through the loss of
+each datum, `losses.elementwise_loss` on that datum's logprobs, and backward. Gradients accumulate over
+micro-batches, and are committed only when the whole call succeeds, so a request that fails halfway leaves the
+adapter's gradients as they were.
+"""
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from schemas import ForwardRequest
+from worker.runtime.base import DomainError
+from worker.torch_runtime import losses
+from worker.torch_runtime.activation_checkpointing import checkpointed, layer_bytes_per_token, layers_to_checkpoint
+from worker.torch_runtime.bases import LoadedBase
+from worker.torch_runtime.lora_compute import lean_lora
+from worker.torch_runtime.packed_attention import packed
+from worker.torch_runtime.packing import Flat, MicroBatch, flatten, micro_batches
+from worker.torch_runtime.unembedding import Head, chunk_tokens, head_of, target_logprobs
+
+
+# The loss of datum i from its target logprobs and inputs: per token (a built-in loss), or 0-dim (a custom one).
+DatumLoss = Callable[[int, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
+
+
+def builtin_loss(request: ForwardRequest) -> DatumLoss:
+    """The request's built-in loss function, per token; a missing input or config value is a DomainError 400."""
+    def loss(index: int, p: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        try:
+            return losses.elementwise_loss(request.loss_fn, p, inputs, request.loss_fn_config)
+        except KeyError as exc:
+            raise DomainError(400, "invalid_request", f"{request.loss_fn}: {exc.args[0]}") from exc
+    return loss
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    micro_batch_tokens: int = 16384  # tokens per pass through the model; gradients accumulate over passes
+    logits_chunk_elements: int = 1 << 27  # logits values alive at once in the unembedding (x 8 bytes at peak)
+    activation_budget_bytes: float = math.inf  # activations kept whole per micro-batch; the rest is recomputed
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> "TrainOptions":
+        if device.type == "cuda":
+            return cls(activation_budget_bytes=12 * 2**30)
+        return cls()
+
+
+@dataclass
+class _Pass:
+    """What one micro-batch leaves behind for the outputs (detached, still on the device)."""
+
+    logprobs: torch.Tensor
+    elementwise: list[torch.Tensor]
+    total: torch.Tensor
+
+
+def forward_request(base: LoadedBase, adapter: str, request: ForwardRequest, backward: bool, options: TrainOptions,
+                    params: list[torch.nn.Parameter],
+                    loss: DatumLoss | None = None) -> tuple[list[dict[str, list[float]]], float]:
+    """Per-datum {"logprobs", "elementwise_loss"} (the latter for per-token losses) and the loss summed over every
+    datum; `loss` is the request's built-in loss unless given."""
+    loss = loss or builtin_loss(request)
+    causal = base.model.get_base_model()
+    decoder = causal.get_decoder()
+    head = head_of(causal.get_output_embeddings(), adapter)
+    flat = flatten(request.data, base.vocab_size, base.device)
+    tokens, targets = flat.tokens.to(base.device), flat.targets.to(base.device)
+    passes = []
+    with torch.set_grad_enabled(backward), packed(causal.config), lean_lora(), _committed_on_success(params, backward):
+        for batch in micro_batches(flat, options.micro_batch_tokens, base.device):
+            count = _checkpoint_count(decoder, causal.config, batch, options) if backward else 0
+            with checkpointed(list(getattr(decoder, "layers", [])), count):
+                passes.append(_run(decoder, head, tokens, targets, flat, batch, loss, backward, options))
+    return _outputs(flat, passes)
+
+
+def _run(decoder, head: Head, tokens, targets, flat: Flat, batch: MicroBatch, loss: DatumLoss,
+         backward: bool, options: TrainOptions) -> _Pass:
+    span = slice(batch.start, batch.end)
+    hidden = decoder(input_ids=tokens[None, span], position_ids=batch.positions[None], use_cache=False,
+                     cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens, max_length_q=batch.max_len,
+                     max_length_k=batch.max_len).last_hidden_state[0]
+    chunk = chunk_tokens(head.weight.shape[0], options.logits_chunk_elements)
+    logprobs = target_logprobs(hidden, head, targets[span], chunk)
+    elementwise = []
+    for i in range(batch.first, batch.stop):
+        start = flat.starts[i] - batch.start
+        elementwise.append(loss(i, logprobs[start: start + flat.lengths[i]], flat.inputs_of(i)))
+    total = torch.cat([e.reshape(-1) for e in elementwise]).sum()
+    if backward:
+        total.backward()
+    return _Pass(logprobs.detach(), [e.detach() for e in elementwise], total.detach())
+
+
+def _checkpoint_count(decoder, config, batch: MicroBatch, options: TrainOptions) -> int:
+    layers = len(getattr(decoder, "layers", []))
+    per_token = layer_bytes_per_token(config, decoder.get_input_embeddings().weight.dtype)
+    return layers_to_checkpoint(layers, batch.tokens, per_token, options.activation_budget_bytes)
+
+
+def _outputs(flat: Flat, passes: list[_Pass]) -> tuple[list[dict[str, list[float]]], float]:
+    per_token = all(e.dim() > 0 for p in passes for e in p.elementwise)  # a custom loss is one value per datum
+    elementwise = [e.reshape(-1) for p in passes for e in p.elementwise]
+    logprobs = torch.cat([p.logprobs for p in passes])
+    total = torch.stack([p.total for p in passes]).sum()
+    values = torch.cat([logprobs, *elementwise, total[None]]).cpu().tolist()  # one copy to the host
+    lp, el = values[: len(logprobs)], values[len(logprobs): -1]
+    outputs, offset = [], 0
+    for start, n, e in zip(flat.starts, flat.lengths, elementwise):
+        outputs.append({"logprobs": lp[start: start + n]})
+        if per_token:
+            outputs[-1]["elementwise_loss"] = el[offset: offset + e.numel()]
+        offset += e.numel()
+    return outputs, values[-1]
+
+
+@contextmanager
+def _committed_on_success(params: list[torch.nn.Parameter], backward: bool) -> Iterator[None]:
+    """Gradients of earlier calls (accumulating until optim_step) are set aside; this call's are added to them
+    only if it finishes, so a failure in a later micro-batch leaves no partial gradient behind."""
+    if not backward:
+        yield
+        return
+    earlier = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    except BaseException:
+        for p, g in zip(params, earlier):
+            p.grad = g
+        raise
+    for p, g in zip(params, earlier):
+        if g is not None:
+            p.grad = g if p.grad is None else p.grad.add_(g)
