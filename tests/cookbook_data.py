@@ -96,8 +96,10 @@ def boxed_guesser(source: Path, out: Path, steps: int = 60, seed: int = 0) -> Pa
     partial = out.with_name(out.name + f".partial-{os.getpid()}")
     model.save_pretrained(str(partial))
     tokenizer.save_pretrained(str(partial))
-    shutil.rmtree(out, ignore_errors=True)
-    partial.rename(out)  # whole or absent: a later session reuses it (cached_guesser)
+    try:
+        partial.rename(out)  # whole or absent: a later session reuses it (cached_guesser)
+    except OSError:  # another process renamed its build there first: same seed, same model
+        shutil.rmtree(partial)
     return out
 
 
