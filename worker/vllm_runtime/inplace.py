@@ -154,6 +154,9 @@ class LoraSlots:
         manager._registered_adapters[lora_id] = _SnapshotModel(lora_id, self, plan, weights)
         manager._active_adapters[lora_id] = None
         manager.lora_index_to_id[slot] = lora_id
+        # Older vLLMs (0.26) rebuild the punica slot metadata only when the token mapping changes, not when
+        # slots move under it: make the next step rebuild it.
+        manager._last_mapping = None
         return True
 
     def _claim_slot(self) -> int:
@@ -209,6 +212,7 @@ class LoraSlots:
             wrote = original(lora_id, *args, **kwargs)
             if wrote and lora_id in manager.lora_index_to_id:
                 self.written.pop(manager.lora_index_to_id.index(lora_id), None)
+                manager._last_mapping = None
             return wrote
 
         manager.activate_adapter = activate_adapter
@@ -219,6 +223,7 @@ class _SnapshotModel:
     evicts it from its slot and activates it again (from the snapshot's tensors, B scaled on a copy)."""
 
     is_3d_lora_weight = False
+    extra_vocab_size = 0  # read by older vLLMs' activate_adapter
 
     def __init__(self, lora_id: int, slots: LoraSlots, plan: dict[str, Target], weights: LoraWeights) -> None:
         self.id = lora_id
