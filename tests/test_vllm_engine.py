@@ -314,3 +314,73 @@ def test_a_bare_base_model_is_sampled_without_an_adapter_beside_adapters(lora, m
         merged.new_model(seed=5)
     (refused,) = merged.vllm.sample([bare])
     assert isinstance(refused, ErrorResponse) and refused.code == "base_in_use"
+
+
+COMPLETION = [11, 12, 13, 14, 15, 16, 17, 18]
+
+
+def scores(rt: Runtime, model_id: str, version: int) -> list[float]:
+    """The engine's logprobs of COMPLETION after PROMPT, as prompt logprobs (one forward pass)."""
+    (out,) = served(rt, request(model_id, version, prompt=PROMPT + COMPLETION, prompt_logprobs=True, max_tokens=1))
+    return out.prompt_logprobs[len(PROMPT):]
+
+
+@pytest.fixture
+def no_file_loads(lora, merged, monkeypatch):
+    """Fails a sync that takes vLLM's file or reload path instead of writing in place."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the sync went through vLLM's loader, not in place")
+
+    monkeypatch.setattr(lora.vllm.engine._llm(BASE).llm_engine, "add_lora", refuse)
+    llm = merged.vllm.engine._llm(BASE)
+    rpc = llm.collective_rpc
+    monkeypatch.setattr(llm, "collective_rpc",
+                        lambda method, *a, **k: refuse() if method == "reload_weights" else rpc(method, *a, **k))
+
+
+def test_an_inplace_lora_sync_serves_the_trainers_weights_and_older_snapshots_stay_exact(lora, no_file_loads):
+    """LoRA sync writes the adapter into vLLM's slots (no file, no loader): right after it the engine scores
+    a fixed completion as the trainer does and unlike the previous weights; an older snapshot stays exact,
+    also after newer ones pushed it out of its slot and vLLM re-activated it from memory."""
+    model = lora.new_model(seed=21, rank=8)  # train_unembed: lm_head's slot too
+    seen = {0: lora.trainer_logprobs(model, PROMPT, COMPLETION)}
+    version = 0
+    for _ in range(2):
+        version = lora.train_and_sync(model, version, lr=0.2)
+        ours, trainer = scores(lora.vllm, model, version), lora.trainer_logprobs(model, PROMPT, COMPLETION)
+        assert max_diff(ours, trainer) < TOLERANCE
+        assert max_diff(ours, seen[version - 1]) > 100 * TOLERANCE  # the sync changed what is served
+        seen[version] = trainer
+        snapshot = lora.vllm.engine.snapshots[model][version]
+        assert not os.path.exists(snapshot.lora_path)  # nothing went to disk
+    assert max_diff(scores(lora.vllm, model, 1), seen[1]) < TOLERANCE  # the older pinned snapshot
+    others = [lora.new_model(seed=22 + k, rank=4 + 4 * k) for k in range(2)]  # other ranks in the same slots
+    for other in others:
+        lora.train_and_sync(other, lora.train_and_sync(other, 0))
+        served(lora.vllm, *(request(other, v) for v in (1, 2)))  # 4 adapters now cycle through 3 slots
+    for v in (1, 2):
+        assert max_diff(scores(lora.vllm, model, v), seen[v]) < TOLERANCE
+    for m in [model, *others]:
+        lora.vllm.engine.remove_model(m)
+
+
+def test_an_inplace_merged_sync_serves_the_trainers_weights_and_restores_what_the_next_model_leaves(
+        merged, no_file_loads):
+    """Merged sync writes base + scale * B @ A into the engine's own parameters (no reload): the engine then
+    scores a fixed completion as the trainer does and unlike before. A later model on the same base that
+    trains fewer modules gets the base back in the ones it leaves alone."""
+    if BASE in merged.vllm.engine.owner:
+        merged.vllm.engine.remove_model(merged.vllm.engine.owner[BASE])
+    for lora_config in (dict(train_unembed=False), dict(train_unembed=False, train_attn=False)):
+        model = merged.new_model(seed=31, **lora_config)
+        before = scores(merged.vllm, model, 0)
+        assert max_diff(before, merged.trainer_logprobs(model, PROMPT, COMPLETION)) < TOLERANCE
+        version = 0
+        for _ in range(2):
+            version = merged.train_and_sync(model, version, lr=0.2)
+            ours = scores(merged.vllm, model, version)
+            assert max_diff(ours, merged.trainer_logprobs(model, PROMPT, COMPLETION)) < TOLERANCE
+            assert max_diff(ours, before) > 100 * TOLERANCE
+            before = ours
+        merged.vllm.engine.remove_model(model)
+    assert merged.vllm.engine.writers[BASE] is not None

@@ -47,6 +47,9 @@ class RuntimeConfig(BaseSettings):
     # vLLM: LoRA snapshots as adapters (many models and versions per base), or full weights merged and
     # reloaded in place (one model per base, only its latest version servable, no LoRA cost per token).
     vllm_sync: str = Field("lora", pattern="^(lora|merged)$")
+    # Sync by writing tensors straight into the engine (LoRA slots or merged weights) rather than through
+    # files and vLLM's loaders; layouts it does not understand fall back to those. False: always fall back.
+    vllm_inplace_sync: bool = True
     vllm_max_loras: int = Field(8, ge=1, description="adapters one engine step may mix")
     vllm_max_lora_rank: int = Field(64, ge=1)
     vllm_gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)

@@ -33,7 +33,7 @@ from tinkerq.config import RuntimeConfig
 from worker.runtime.base import Admit, Done, DomainError, Engine, Keyed, check_fits, in_order, servable
 from worker.torch_runtime.bases import base_path, resolve_device, resolve_dtype
 from worker.torch_runtime.lora_io import LoraWeights, save_adapter
-from worker.vllm_runtime import merge, requests as translate
+from worker.vllm_runtime import inplace, inplace_merged, merge, requests as translate
 
 
 def configure_environment(config: RuntimeConfig) -> None:
@@ -57,6 +57,7 @@ class VllmEngine(Engine):
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.merged = config.vllm_sync == "merged"
+        self.inplace = config.vllm_inplace_sync
         if self.device.type == "cuda" and self.dtype == torch.float32 and not self.merged:
             raise ValueError("vLLM's GPU LoRA kernels take float16 or bfloat16 weights only: set TINKERQ_DTYPE="
                              "bfloat16 (or auto), or TINKERQ_VLLM_SYNC=merged to serve float32 without LoRA")
@@ -71,6 +72,9 @@ class VllmEngine(Engine):
         self.base_weights: dict[str, dict[str, torch.Tensor]] = {}
         self._lora_ids = itertools.count(1)  # never reused: vLLM caches adapters and prefixes by id
         self._adapters = tempfile.TemporaryDirectory(prefix="tinkerq-vllm-", dir=_fast_tmp())
+        # base -> its in-place writer, or None where the engine's layout is not understood (file / reload path)
+        self.slots: dict[str, inplace.LoraSlots | None] = {}
+        self.writers: dict[str, inplace_merged.MergedWriter | None] = {}
 
     # -- models and snapshots -------------------------------------------------------------------
 
@@ -140,12 +144,24 @@ class VllmEngine(Engine):
         from vllm.lora.request import LoRARequest
 
         base = self.base_of[model_id]
-        directory = Path(self._adapters.name) / f"{next(self._lora_ids)}"
+        lora_id = next(self._lora_ids)
+        # A fresh name per snapshot too: vLLM keys cached prefixes by the adapter's name and path.
+        name = f"{model_id}@{version}#{lora_id}"
+        slots = self._slots(base)
+        if slots is not None and slots.load(lora_id, weights):
+            # Registered in memory; vLLM never reads this path (a lost registration fails loudly on it).
+            return LoRARequest(name, lora_id, f"{self._adapters.name}/inplace-{lora_id}")
+        directory = Path(self._adapters.name) / f"{lora_id}"
         directory.mkdir()
         save_adapter(weights, directory, self._path(base))
-        request = LoRARequest(f"{model_id}@{version}", int(directory.name), str(directory))
+        request = LoRARequest(name, lora_id, str(directory))
         self.llms[base].llm_engine.add_lora(request)  # load now: a bad adapter fails the sync, not a sample
         return request
+
+    def _slots(self, base_model: str) -> inplace.LoraSlots | None:
+        if base_model not in self.slots:
+            self.slots[base_model] = inplace.LoraSlots.attach(self.llms[base_model]) if self.inplace else None
+        return self.slots[base_model]
 
     def _drop(self, model_id: str, lora: Any | None) -> None:
         if lora is not None:
@@ -156,14 +172,29 @@ class VllmEngine(Engine):
 
     def _reload(self, base_model: str, weights: LoraWeights) -> None:
         llm = self.llms[base_model]
-        full = merge.merged(self._base_weights(base_model), weights)
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(full.items())})
+        if base_model not in self.writers:
+            self.writers[base_model] = (inplace_merged.MergedWriter.attach(llm, self._base_weights(base_model))
+                                        if self.inplace else None)
+        writer = self.writers[base_model]
+        if writer is None or not writer.write(weights):
+            full = merge.merged(self._base_weights(base_model), weights)
+            with self._plain_linear():  # the reload re-runs CPU weight packing: keep the weights plain
+                llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(full.items())})
+            if writer is not None:
+                writer.forget()  # the reload wrote every weight: the writer's record of them is stale
         llm.reset_prefix_cache()  # cached prefixes hold KV computed with the old weights
+
+    def _plain_linear(self) -> Any:
+        """CPU vLLM packs linear weights into kernel-private copies; merged mode writes them in place."""
+        from worker.vllm_runtime import patches
+
+        return patches.cpu_plain_linear(self.merged and self.inplace and self.device.type == "cpu")
 
     def _base_weights(self, base_model: str) -> dict[str, torch.Tensor]:
         if base_model not in self.base_weights:
             weights = merge.load_base(self._path(base_model))
-            self.base_weights[base_model] = {k: v.to(self.device) for k, v in weights.items()}
+            # in the engine's dtype: the in-place writer merges into its parameters without a cast
+            self.base_weights[base_model] = {k: v.to(self.device, self.dtype) for k, v in weights.items()}
         return self.base_weights[base_model]
 
     def _llm(self, base_model: str) -> Any:
@@ -180,9 +211,12 @@ class VllmEngine(Engine):
         if self.device.type == "cuda":
             kwargs["gpu_memory_utilization"] = self.config.vllm_gpu_memory_utilization
         if not self.merged:
+            # max_cpu_loras: snapshots registered beyond the slots stay servable (re-activated on demand)
             kwargs.update(enable_lora=True, max_loras=self.config.vllm_max_loras,
-                          max_lora_rank=self.config.vllm_max_lora_rank)
-        return LLM(**kwargs)
+                          max_lora_rank=self.config.vllm_max_lora_rank,
+                          max_cpu_loras=max(1024, self.config.vllm_max_loras))
+        with self._plain_linear():
+            return LLM(**kwargs)
 
     def _path(self, base_model: str) -> Path:
         return base_path(self.catalog, base_model)

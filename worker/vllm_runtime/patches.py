@@ -3,8 +3,9 @@
 They patch module attributes only, so they are no-ops on a vLLM that no longer has the gap.
 """
 
+import contextlib
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -93,3 +94,42 @@ def _prompt_logits_lora() -> None:
                 out[:, :width].add_(delta[:, :width].to(out.dtype))
 
         cls.add_lora_logits = add_lora_logits
+
+
+_plain_linear = False
+
+
+@contextlib.contextmanager
+def cpu_plain_linear(enabled: bool) -> Iterator[None]:
+    """CPU vLLM repacks each linear weight after loading (oneDNN / sgl-kernel copies in `layer.cpu_linear`)
+    and drops `layer.weight`, so a weight written in place would never be read. Engines built (and reloads
+    run) inside this keep plain weights and compute with F.linear: what merged in-place sync writes is what
+    the next step reads. Numerics are torch's own linear; speed is not the CPU build's concern here."""
+    global _plain_linear
+    if not enabled:
+        yield
+        return
+    _patch_cpu_gemm_dispatch()
+    previous, _plain_linear = _plain_linear, True
+    try:
+        yield
+    finally:
+        _plain_linear = previous
+
+
+def _patch_cpu_gemm_dispatch() -> None:
+    import vllm.model_executor.layers.utils as layer_utils
+
+    original = layer_utils.dispatch_cpu_unquantized_gemm
+    if getattr(original, "_tinkerq_plain", False):
+        return
+
+    def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
+        weight = getattr(layer, "weight", None)
+        if _plain_linear and weight is not None and not weight.is_meta and weight.ndim == 2:
+            layer.cpu_linear = torch.nn.functional.linear  # linear.py and the LM head call it with layer.weight
+            return
+        original(layer, remove_weight)
+
+    dispatch._tinkerq_plain = True  # type: ignore[attr-defined]
+    layer_utils.dispatch_cpu_unquantized_gemm = dispatch
