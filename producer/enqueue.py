@@ -25,20 +25,7 @@ from schemas import (
 )
 from tinkerq import keys
 from tinkerq.config import QueueConfig
-
-# The only functions a worker will run, by kind. Producers never import the worker's code.
-JOB_FUNCTIONS: dict[str, str] = {
-    "sample": "worker.jobs.sample",
-    "weight_sync": "worker.jobs.weight_sync",
-    "create_model": "worker.jobs.training_op",
-    "forward": "worker.jobs.training_op",
-    "forward_backward": "worker.jobs.training_op",
-    "optim_step": "worker.jobs.training_op",
-    "save_state": "worker.jobs.training_op",
-    "load_state": "worker.jobs.training_op",
-    "create_custom_loss": "worker.jobs.training_op",
-    "delete_checkpoint": "worker.jobs.training_op",
-}
+from tinkerq.jobs import JOB_OF_KIND
 
 _ID_RE = re.compile(ID_PATTERN)
 
@@ -228,7 +215,7 @@ class Producer:
     def _enqueue(self, pipe, request: Request, ticket: Ticket, body_digest: str) -> None:
         self._record(pipe, request, ticket, body_digest)
         self._queues[ticket.shard].enqueue_call(
-            JOB_FUNCTIONS[request.kind],
+            JOB_OF_KIND[request.kind],
             args=(request.model_dump(mode="json"),),
             job_id=ticket.request_id,
             pipeline=pipe,

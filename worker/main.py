@@ -15,7 +15,6 @@ from producer.enqueue import check_num_shards
 from schemas import ErrorResponse, Limits
 from tinkerq import keys
 from tinkerq.config import QueueConfig
-from worker import context
 from tinkerq.keys import shard_of_queue
 from worker.dispatcher import Dispatcher
 from worker.fencing import Fence
@@ -44,7 +43,6 @@ class WorkerProcess:
         self.name = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
         self.fence = Fence(connection, self.name, self.config.lease_ttl_ms)
         self.dispatcher = Dispatcher(connection, runtime, self.fence, self.config, limits)
-        context.install(self.dispatcher)
         self.rq_worker: ShardWorker | None = None
         self._stopping = threading.Event()
         self._incarnation = 0
@@ -103,6 +101,7 @@ class WorkerProcess:
             on_tick=self._tick,
             on_unloadable=self._on_unloadable,
             admit=self.dispatcher.admission.admit,
+            context=self.dispatcher,
             log_job_description=False,
         )
         worker.push_exc_handler(self._on_job_exception)
