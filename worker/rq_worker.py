@@ -16,7 +16,8 @@ RQ internals relied on (rq is pinned exactly in pyproject; each is re-checked by
 `Job.restore` (every load of a hash: `Job.fetch`, `Job.fetch_many`, `Queue.fetch_job`, the registries'
 cleanup), `Job._execute` (where RQ would import and call the job's function), the hash field names it reads,
 `Queue.lpop` / `Queue.lmove` (the pop, before `dequeue_any` decodes the id), `Queue._fetch_dequeued_job`,
-`Queue.move_dependents_to_ready` / `enqueue_dependents` (called by the worker's success and failure paths), and `BaseWorker.dequeue_job_and_maintain_ttl`.
+`Queue.move_dependents_to_ready` / `enqueue_dependents` (called by the worker's success and failure paths), and
+`BaseWorker.dequeue_job_and_maintain_ttl`.
 """
 
 import logging
