@@ -86,7 +86,7 @@ class Producer:
         self.connection = connection
         self.config = config or QueueConfig()
         self.limits = limits or Limits()
-        check_num_shards(connection, self.config.num_shards)
+        keys.check_num_shards(connection, self.config.num_shards)
         self._waiter: ResultWaiter | None = None
         self._read_state = connection.register_script(_READ_STATE)
         self._queues = [
@@ -141,7 +141,7 @@ class Producer:
         if not _ID_RE.match(rid):
             raise Rejected.of(400, "invalid_request_id", f"request id {rid!r} must match {ID_PATTERN}")
         return _Item(request, rid, digest(request), self.shard_of(request.model_id), keys.request_key(rid),
-                     self._claim_key(request, rid), keys.model_key(request.model_id, "wver"))
+                     self._claim_key(request, rid), keys.wver_key(request.model_id))
 
     @staticmethod
     def _claim_key(request: Request, rid: str) -> str:
@@ -260,7 +260,7 @@ class Producer:
         if ticket.version is not None:
             record["version"] = ticket.version
         if isinstance(request, WeightSyncRequest):
-            pipe.set(keys.model_key(request.model_id, "wver"), ticket.version)
+            pipe.set(keys.wver_key(request.model_id), ticket.version)
         seq_id = getattr(request, "seq_id", None)
         if seq_id is not None:
             pipe.set(keys.seq_key(request.model_id, seq_id), rid, ex=self.config.request_ttl_s)
@@ -286,13 +286,3 @@ class Producer:
                 pipe.llen(queue.key)
             return pipe.execute()
 
-
-def check_num_shards(connection: Redis, num_shards: int) -> None:
-    """K must agree across every producer and worker of a deployment, or models would move shards."""
-    connection.set(keys.NUM_SHARDS_KEY, num_shards, nx=True)
-    recorded = int(connection.get(keys.NUM_SHARDS_KEY))
-    if recorded != num_shards:
-        raise RuntimeError(
-            f"this Redis was set up with {recorded} shards but TINKERQ_NUM_SHARDS={num_shards}; "
-            "K is fixed per deployment (delete the key tq:config:num_shards only on an empty deployment)"
-        )

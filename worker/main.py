@@ -11,7 +11,6 @@ import time
 from redis import Redis
 from rq import Queue
 
-from producer.enqueue import check_num_shards
 from schemas import ErrorResponse, Limits
 from tinkerq import keys
 from tinkerq.config import QueueConfig
@@ -36,7 +35,7 @@ class WorkerProcess:
     ) -> None:
         self.connection = connection
         self.config = config or QueueConfig()
-        check_num_shards(connection, self.config.num_shards)
+        keys.check_num_shards(connection, self.config.num_shards)
         self.wanted = sorted(set(shards)) if shards is not None else list(range(self.config.num_shards))
         if any(not 0 <= s < self.config.num_shards for s in self.wanted):
             raise ValueError(f"shards must lie in [0, {self.config.num_shards}); got {self.wanted}")
