@@ -27,7 +27,7 @@ from rq.serializers import JSONSerializer
 from rq.utils import now
 
 from schemas import SampleRequest
-from tinkerq import keys
+from tinkerq import keys, queues
 from worker.admission import Admission, Admitted, job_id
 from worker.inflight import InFlightList
 from worker.rq_worker import AllowlistJob
@@ -112,12 +112,6 @@ class Batcher:
                 loaded.append(Claimed(rid, verdict.request, job))
         return loaded
 
-    def lengths(self, queue_keys: list[str]) -> list[int]:
-        with self.connection.pipeline(transaction=False) as pipe:
-            for key in queue_keys:
-                pipe.llen(key)
-            return pipe.execute()
-
     def finish(self, shard: int, claimed: list[Claimed], worker_name: str | None) -> None:
         """Mark served jobs FINISHED in RQ (for the dashboard) and drop them from the in-flight list."""
         if not claimed:
@@ -169,7 +163,7 @@ class EngineRun:
         room = self.max_requests - len(self.unfinished) - 1
         if room <= 0 or time.monotonic() > self.admit_until:
             return []
-        mine, *others = self.batcher.lengths([self.queue_key, *self.other_queue_keys])
+        mine, *others = queues.lengths(self.batcher.connection, [self.queue_key, *self.other_queue_keys])
         if not mine or any(others):
             return []
         return self._take(self.batcher.claim(self.queue_key, self.shard, room, accept, before_any_barrier=True))
