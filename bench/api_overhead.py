@@ -209,7 +209,7 @@ def main() -> None:
         params = types.SamplingParams(max_tokens=args.max_tokens, seed=1, stop=[])
         # the same snapshot for the direct path: the one sampling session this run created
         redis = Redis.from_url(url)
-        sampler_key = next(redis.scan_iter("tq:sampler:*")).decode()
+        sampler_key = next(redis.scan_iter(keys.sampler_key("*"))).decode()
         sampler_state = redis.hgetall(sampler_key)
         producer = Producer(Redis.from_url(url, max_connections=4 * args.concurrency), QueueConfig(num_shards=1))
         stack.callback(producer.close)
@@ -217,7 +217,7 @@ def main() -> None:
                                 weights_version=int(sampler_state[b"version"]),
                                 sampling_params=SamplingParams(max_tokens=args.max_tokens, seed=1, stop=[]))
         pool = stack.enter_context(ThreadPoolExecutor(args.concurrency))
-        raw = RawHttp(base_url, sampler_key.removeprefix("tq:sampler:"), args.max_tokens)
+        raw = RawHttp(base_url, sampler_key.removeprefix(keys.sampler_key("")), args.max_tokens)
         paths = {"sdk_via_api": lambda: sdk_round(pool, sampler, args.concurrency, params),
                  "http_via_api": lambda: raw.round(args.concurrency),
                  "producer_direct": lambda: direct_round(pool, producer, request, args.concurrency)}

@@ -1,7 +1,7 @@
 """The library an API server uses to enqueue requests and wait for their results."""
 
-from producer.enqueue import JOB_FUNCTIONS, Producer, Ticket
+from producer.enqueue import Producer, Ticket
 from producer.errors import Rejected
 from producer.waiter import ResultWaiter
 
-__all__ = ["JOB_FUNCTIONS", "Producer", "Rejected", "ResultWaiter", "Ticket"]
+__all__ = ["Producer", "Rejected", "ResultWaiter", "Ticket"]

@@ -23,22 +23,9 @@ from schemas import (
     WeightSyncRequest,
     new_request_id,
 )
-from tinkerq import keys
+from tinkerq import keys, queues
 from tinkerq.config import QueueConfig
-
-# The only functions a worker will run, by kind. Producers never import the worker's code.
-JOB_FUNCTIONS: dict[str, str] = {
-    "sample": "worker.jobs.sample",
-    "weight_sync": "worker.jobs.weight_sync",
-    "create_model": "worker.jobs.training_op",
-    "forward": "worker.jobs.training_op",
-    "forward_backward": "worker.jobs.training_op",
-    "optim_step": "worker.jobs.training_op",
-    "save_state": "worker.jobs.training_op",
-    "load_state": "worker.jobs.training_op",
-    "create_custom_loss": "worker.jobs.training_op",
-    "delete_checkpoint": "worker.jobs.training_op",
-}
+from tinkerq.jobs import JOB_OF_KIND
 
 _ID_RE = re.compile(ID_PATTERN)
 
@@ -89,6 +76,11 @@ class _Batch:
     fresh: list[tuple[Request, Ticket, str]] = field(default_factory=list)
 
 
+def _seq_id(request: Request) -> int | None:
+    """A sequenced op's seq_id; None for an op that runs in queue order, and for samples (they carry none)."""
+    return getattr(request, "seq_id", None)
+
+
 def digest(request: BaseModel) -> str:
     canonical = json.dumps(request.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
@@ -99,7 +91,7 @@ class Producer:
         self.connection = connection
         self.config = config or QueueConfig()
         self.limits = limits or Limits()
-        check_num_shards(connection, self.config.num_shards)
+        keys.check_num_shards(connection, self.config.num_shards)
         self._waiter: ResultWaiter | None = None
         self._read_state = connection.register_script(_READ_STATE)
         self._queues = [
@@ -154,12 +146,12 @@ class Producer:
         if not _ID_RE.match(rid):
             raise Rejected.of(400, "invalid_request_id", f"request id {rid!r} must match {ID_PATTERN}")
         return _Item(request, rid, digest(request), self.shard_of(request.model_id), keys.request_key(rid),
-                     self._claim_key(request, rid), keys.model_key(request.model_id, "wver"))
+                     self._claim_key(request, rid), keys.wver_key(request.model_id))
 
     @staticmethod
     def _claim_key(request: Request, rid: str) -> str:
         """What makes a submission unique: (model_id, seq_id) for sequenced ops, else the request id."""
-        seq_id = getattr(request, "seq_id", None)
+        seq_id = _seq_id(request)
         return keys.seq_key(request.model_id, seq_id) if seq_id is not None else keys.request_key(rid)
 
     def _read_states(self, items: list[_Item]) -> list[list]:
@@ -228,7 +220,7 @@ class Producer:
     def _enqueue(self, pipe, request: Request, ticket: Ticket, body_digest: str) -> None:
         self._record(pipe, request, ticket, body_digest)
         self._queues[ticket.shard].enqueue_call(
-            JOB_FUNCTIONS[request.kind],
+            JOB_OF_KIND[request.kind],
             args=(request.model_dump(mode="json"),),
             job_id=ticket.request_id,
             pipeline=pipe,
@@ -243,7 +235,7 @@ class Producer:
     def _duplicate(item: _Item, first_rid: str, first_digest: str | None, first_version: int | None) -> Ticket:
         if first_digest is not None and first_digest != item.digest:
             request = item.request
-            seq_id = getattr(request, "seq_id", None)
+            seq_id = _seq_id(request)
             where = f"(model_id={request.model_id}, seq_id={seq_id})" if first_rid != item.rid else \
                 f"request id {item.rid}"
             raise Rejected.of(409, "idempotency_conflict", f"{where} was already used with a different body")
@@ -273,8 +265,8 @@ class Producer:
         if ticket.version is not None:
             record["version"] = ticket.version
         if isinstance(request, WeightSyncRequest):
-            pipe.set(keys.model_key(request.model_id, "wver"), ticket.version)
-        seq_id = getattr(request, "seq_id", None)
+            pipe.set(keys.wver_key(request.model_id), ticket.version)
+        seq_id = _seq_id(request)
         if seq_id is not None:
             pipe.set(keys.seq_key(request.model_id, seq_id), rid, ex=self.config.request_ttl_s)
         pipe.hset(keys.request_key(rid), mapping=record)
@@ -294,18 +286,5 @@ class Producer:
             self._waiter.close()
 
     def queue_depths(self) -> list[int]:
-        with self.connection.pipeline(transaction=False) as pipe:
-            for queue in self._queues:
-                pipe.llen(queue.key)
-            return pipe.execute()
+        return queues.lengths(self.connection, [queue.key for queue in self._queues])
 
-
-def check_num_shards(connection: Redis, num_shards: int) -> None:
-    """K must agree across every producer and worker of a deployment, or models would move shards."""
-    connection.set(keys.NUM_SHARDS_KEY, num_shards, nx=True)
-    recorded = int(connection.get(keys.NUM_SHARDS_KEY))
-    if recorded != num_shards:
-        raise RuntimeError(
-            f"this Redis was set up with {recorded} shards but TINKERQ_NUM_SHARDS={num_shards}; "
-            "K is fixed per deployment (delete the key tq:config:num_shards only on an empty deployment)"
-        )

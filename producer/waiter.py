@@ -9,10 +9,10 @@ pub/sub connection, every `recheck_s`).
 import logging
 import threading
 import time
-from collections import defaultdict
 
 from redis import Redis
 
+from producer.waiting import Backoff, Waiters
 from schemas import Result, parse_result
 from tinkerq import keys
 
@@ -29,7 +29,7 @@ class ResultWaiter:
         self.connection = connection
         self.recheck_s = recheck_s
         self._lock = threading.Lock()
-        self._events: dict[str, list[threading.Event]] = defaultdict(list)
+        self._waiters: Waiters[threading.Event] = Waiters()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._closed = False
@@ -42,48 +42,33 @@ class ResultWaiter:
         self._ready.wait(timeout=5)
 
     def _listen(self) -> None:
-        backoff = 0.0
+        backoff = Backoff()
         while not self._closed:
             pubsub = self.connection.pubsub(ignore_subscribe_messages=True)
             try:
                 pubsub.subscribe(keys.DONE_CHANNEL)
-                if backoff:
+                if backoff.failing:
                     log.warning("result waiter reconnected")
-                backoff = 0.0
+                backoff.connected()
                 self._ready.set()
-                self._wake_all()  # anything that landed while we were (re)connecting
+                self._waiters.wake_all()  # anything that landed while we were (re)connecting
                 while not self._closed:
                     message = pubsub.get_message(timeout=1.0)
                     if message is not None:
-                        self._wake(message["data"].decode())
+                        self._waiters.wake(message["data"].decode())
             except Exception as exc:  # noqa: BLE001 - reconnect on any connection trouble
                 if self._closed:
                     return
-                if not backoff:
+                if not backoff.failing:
                     log.warning("result waiter lost its pub/sub connection (%s); reconnecting", exc)
-                backoff = min(max(2 * backoff, 0.25), 5.0)
-                time.sleep(backoff)
+                time.sleep(backoff.failed())
             finally:
                 pubsub.close()
-
-    def _wake(self, request_id: str) -> None:
-        with self._lock:
-            for event in self._events.get(request_id, ()):
-                event.set()
-
-    def _wake_all(self) -> None:
-        with self._lock:
-            for events in self._events.values():
-                for event in events:
-                    event.set()
 
     def wait(self, request_id: str, timeout: float) -> Result | None:
         """The result, or None if it has not landed within `timeout` seconds."""
         self._ensure_listening()
-        event = threading.Event()
-        with self._lock:
-            self._events[request_id].append(event)
-        try:
+        with self._waiters.registered(request_id, threading.Event()) as event:
             deadline = time.monotonic() + timeout
             while True:
                 # Read after registering, so a result published in between is not missed.
@@ -93,11 +78,6 @@ class ResultWaiter:
                     return result
                 event.wait(min(remaining, self.recheck_s))
                 event.clear()
-        finally:
-            with self._lock:
-                self._events[request_id].remove(event)
-                if not self._events[request_id]:
-                    del self._events[request_id]
 
     def close(self) -> None:
         self._closed = True

@@ -1,6 +1,14 @@
-"""Redis key layout and routing. Every key of a model carries the model id in braces."""
+"""Redis key layout and routing: every key tinkerq writes is named here. Every key of a model carries the model
+id in braces. The structures behind them are owned by small classes that name their operations (the API's
+records: producer/api/state.py; the in-flight list: worker/inflight.py; held training ops: worker/held.py)."""
 
 from hashlib import blake2b
+from typing import TYPE_CHECKING
+
+from rq import Queue
+
+if TYPE_CHECKING:
+    from redis import Redis
 
 PREFIX = "tq"
 DONE_CHANNEL = f"{PREFIX}:done"
@@ -17,12 +25,28 @@ def queue_name(shard: int) -> str:
     return f"tinkerq.shard.{shard:03d}"
 
 
+def queue_key(shard: int) -> str:
+    """The Redis list of a shard queue, under RQ's own prefix."""
+    return Queue.redis_queue_namespace_prefix + queue_name(shard)
+
+
 def shard_of_queue(name: str) -> int:
     """The shard of a shard queue's name; ValueError for any other name (an origin read from Redis may be one)."""
     prefix, _, number = name.rpartition(".")
     if prefix != "tinkerq.shard" or not number.isdigit() or queue_name(int(number)) != name:
         raise ValueError(f"{name!r} is not a shard queue name")
     return int(number)
+
+
+def check_num_shards(connection: "Redis", num_shards: int) -> None:
+    """K must agree across every producer and worker of a deployment, or models would move shards."""
+    connection.set(NUM_SHARDS_KEY, num_shards, nx=True)
+    recorded = int(connection.get(NUM_SHARDS_KEY))
+    if recorded != num_shards:
+        raise RuntimeError(
+            f"this Redis was set up with {recorded} shards but TINKERQ_NUM_SHARDS={num_shards}; "
+            "K is fixed per deployment (delete the key tq:config:num_shards only on an empty deployment)"
+        )
 
 
 def request_key(request_id: str) -> str:
@@ -34,8 +58,58 @@ def result_key(request_id: str) -> str:
 
 
 def model_key(model_id: str, field: str) -> str:
-    """Per-model keys: wver (last version enqueued), applied, seq (last executed), held, snapshots."""
+    """A per-model key; each field has its own function below."""
     return f"{PREFIX}:model:{{{model_id}}}:{field}"
+
+
+def wver_key(model_id: str) -> str:
+    """The last weights version enqueued (a sync's INCR at submit)."""
+    return model_key(model_id, "wver")
+
+
+def applied_key(model_id: str) -> str:
+    """The last weights version the worker applied."""
+    return model_key(model_id, "applied")
+
+
+def snapshots_key(model_id: str) -> str:
+    """Persisted snapshots: version -> path."""
+    return model_key(model_id, "snapshots")
+
+
+def last_seq_key(model_id: str) -> str:
+    """The last seq_id that ran."""
+    return model_key(model_id, "seq")
+
+
+def refused_seqs_key(model_id: str) -> str:
+    """seq_ids the API refused at submit (set)."""
+    return model_key(model_id, "refused")
+
+
+def held_key(model_id: str) -> str:
+    """Training ops held for their turn: request id scored by seq_id (sorted set)."""
+    return model_key(model_id, "held")
+
+
+def held_payload_key(model_id: str) -> str:
+    """The held ops' requests: request id -> JSON (hash)."""
+    return model_key(model_id, "held_payload")
+
+
+def info_key(model_id: str) -> str:
+    """What the worker recorded at create/load (hash, field "json")."""
+    return model_key(model_id, "info")
+
+
+def checkpoints_key(model_id: str) -> str:
+    """Registered checkpoints: checkpoint id -> CheckpointRecord JSON (hash)."""
+    return model_key(model_id, "checkpoints")
+
+
+def named_key(model_id: str) -> str:
+    """Named sampler snapshots: name -> version (hash)."""
+    return model_key(model_id, "named")
 
 
 def seq_key(model_id: str, seq_id: int) -> str:

@@ -25,7 +25,7 @@ from rq.job import Job
 from schemas import ID_PATTERN, ErrorResponse, LimitExceeded, Limits, Request, parse_request
 from tinkerq import keys
 from tinkerq.config import QueueConfig
-from worker.jobs import ALLOWED_FUNCTIONS
+from tinkerq.jobs import JOB_NAMES
 
 _ID_RE = re.compile(ID_PATTERN)
 
@@ -94,7 +94,7 @@ class Admission:
             func_name, instance, args, kwargs = job.func_name, job.instance, job.args, job.kwargs
         except Exception as exc:  # noqa: BLE001 - RQ's DeserializationError, or anything the data holds
             return f"the job could not be loaded: {type(exc).__name__}: {exc}"
-        if func_name not in ALLOWED_FUNCTIONS:
+        if func_name not in JOB_NAMES:
             return f"function {func_name!r} is not an allowed tinkerq job function"
         if instance is not None or kwargs or not isinstance(args, (list, tuple)) or len(args) != 1 \
                 or not isinstance(args[0], dict):

@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from redis import Redis
-from rq import Queue
 from rq.job import Job, JobStatus
 from rq.registry import FinishedJobRegistry
 from rq.results import Result
@@ -28,23 +27,12 @@ from rq.serializers import JSONSerializer
 from rq.utils import now
 
 from schemas import SampleRequest
-from tinkerq import keys
+from tinkerq import keys, queues
 from worker.admission import Admission, Admitted, job_id
+from worker.inflight import InFlightList
 from worker.rq_worker import AllowlistJob
 
 log = logging.getLogger(__name__)
-
-# KEYS: queue, in-flight list. ARGV: job ids. Moves each id still queued; returns the ids moved.
-_CLAIM = """
-local claimed = {}
-for _, id in ipairs(ARGV) do
-  if redis.call('LREM', KEYS[1], 1, id) == 1 then
-    redis.call('RPUSH', KEYS[2], id)
-    table.insert(claimed, id)
-  end
-end
-return claimed
-"""
 
 
 @dataclass(frozen=True)
@@ -59,7 +47,12 @@ class Batcher:
         self.connection = connection
         self.rq_result_ttl_s = rq_result_ttl_s
         self.admission = admission
-        self._claim = connection.register_script(_CLAIM)
+        self._inflight: dict[int, InFlightList] = {}
+
+    def inflight(self, shard: int) -> InFlightList:
+        if shard not in self._inflight:
+            self._inflight[shard] = InFlightList(shard, self.connection)
+        return self._inflight[shard]
 
     def claim(self, queue_key: str, shard: int, limit: int, accept: Callable[[SampleRequest], bool] | None = None,
               before_any_barrier: bool = False) -> list[Claimed]:
@@ -68,9 +61,8 @@ class Batcher:
         if limit <= 0:
             return []
         candidates = self._servable_ids(queue_key, limit, before_any_barrier)
-        loaded = {c.request_id: c for c in self._load(queue_key, candidates) if accept is None or accept(c.request)}
-        moved = self._claim(keys=[queue_key, keys.inflight_key(shard)], args=list(loaded)) if loaded else []
-        return [loaded[rid.decode()] for rid in moved]
+        loaded = {c.request_id: c for c in self._load(shard, candidates) if accept is None or accept(c.request)}
+        return [loaded[rid] for rid in self.inflight(shard).claim(queue_key, list(loaded))]
 
     def _servable_ids(self, queue_key: str, limit: int, before_any_barrier: bool) -> list[str]:
         # an entry that is no request id is left for the pop to drop
@@ -97,13 +89,13 @@ class Batcher:
                     break
         return picked
 
-    def _load(self, queue_key: str, ids: list[str]) -> list[Claimed]:
+    def _load(self, shard: int, ids: list[str]) -> list[Claimed]:
         """The admitted samples among `ids`, loaded one hash at a time: a corrupt one is skipped, not fatal."""
         with self.connection.pipeline(transaction=False) as pipe:
             for rid in ids:
                 pipe.hgetall(AllowlistJob.key_for(rid))
             hashes = pipe.execute(raise_on_error=False)
-        queue_name = queue_key.removeprefix(Queue.redis_queue_namespace_prefix)
+        queue_name = keys.queue_name(shard)
         loaded = []
         for rid, raw in zip(ids, hashes):
             if not raw or isinstance(raw, Exception):
@@ -120,12 +112,6 @@ class Batcher:
                 loaded.append(Claimed(rid, verdict.request, job))
         return loaded
 
-    def lengths(self, queue_keys: list[str]) -> list[int]:
-        with self.connection.pipeline(transaction=False) as pipe:
-            for key in queue_keys:
-                pipe.llen(key)
-            return pipe.execute()
-
     def finish(self, shard: int, claimed: list[Claimed], worker_name: str | None) -> None:
         """Mark served jobs FINISHED in RQ (for the dashboard) and drop them from the in-flight list."""
         if not claimed:
@@ -141,15 +127,13 @@ class Batcher:
                               worker_name=worker_name or "",
                               return_value={"request_id": item.request_id, "type": "sample", "batched": True})
                 FinishedJobRegistry(job.origin, connection=self.connection).add(job, self.rq_result_ttl_s, pipe)
-                pipe.lrem(keys.inflight_key(shard), 1, item.request_id)
+                self.inflight(shard).remove(item.request_id, pipe)
             pipe.execute()
 
     def release(self, queue_key: str, shard: int, claimed: list[Claimed]) -> None:
         """Put claimed jobs back at the head of the queue, in their order (after a failed batch)."""
         with self.connection.pipeline() as pipe:
-            for item in reversed(claimed):
-                pipe.lrem(keys.inflight_key(shard), 1, item.request_id)
-                pipe.lpush(queue_key, item.request_id)
+            self.inflight(shard).put_back(queue_key, [item.request_id for item in claimed], pipe)
             pipe.execute()
 
 
@@ -179,7 +163,7 @@ class EngineRun:
         room = self.max_requests - len(self.unfinished) - 1
         if room <= 0 or time.monotonic() > self.admit_until:
             return []
-        mine, *others = self.batcher.lengths([self.queue_key, *self.other_queue_keys])
+        mine, *others = queues.lengths(self.batcher.connection, [self.queue_key, *self.other_queue_keys])
         if not mine or any(others):
             return []
         return self._take(self.batcher.claim(self.queue_key, self.shard, room, accept, before_any_barrier=True))

@@ -7,7 +7,6 @@ import time
 from typing import Any
 
 from redis import Redis
-from rq import Queue
 from rq.job import Job
 
 from schemas import (
@@ -100,13 +99,13 @@ class Dispatcher:
             self._publish_sync(shard, result)
         elif isinstance(result, (CreateModelOutput, LoadStateOutput)):
             info = {"base_model": result.base_model, "lora_rank": result.lora_rank}
-            self.fence.hset(shard, keys.model_key(result.model_id, "info"), "json", json.dumps(info))
+            self.fence.hset(shard, keys.info_key(result.model_id), "json", json.dumps(info))
         self._register_checkpoint(shard, request, result)
         self.finish(shard, rid, result)
 
     def _register_checkpoint(self, shard: int, request: Request, result: Result) -> None:
         """Saved and deleted checkpoints, for the REST API's listings (fenced, like every authoritative write)."""
-        registry = keys.model_key(request.model_id, "checkpoints")
+        registry = keys.checkpoints_key(request.model_id)
         if isinstance(result, DeleteCheckpointOutput):
             self.fence.hdel(shard, registry, result.checkpoint_id)
             return
@@ -122,14 +121,14 @@ class Dispatcher:
 
     def _publish_sync(self, shard: int, result: WeightSyncOutput) -> None:
         """Record the applied version, and register a persisted snapshot's path (both fenced)."""
-        self.fence.set_counter(shard, keys.model_key(result.model_id, "applied"), result.version)
+        self.fence.set_counter(shard, keys.applied_key(result.model_id), result.version)
         if result.path is not None:
-            self.fence.hset(shard, keys.model_key(result.model_id, "snapshots"), str(result.version), result.path)
+            self.fence.hset(shard, keys.snapshots_key(result.model_id), str(result.version), result.path)
 
     def _sample(self, job: Job, shard: int, rid: str, request: SampleRequest) -> dict[str, Any]:
         # list() copies in one step: the lease keeper thread may take or lose a shard meanwhile
-        others = [_queue_key(keys.queue_name(owned)) for owned in list(self.fence.tokens) if owned != shard]
-        run = batching.EngineRun(self.batcher, _queue_key(keys.queue_name(shard)), shard, self.config.max_batch_requests,
+        others = [keys.queue_key(owned) for owned in list(self.fence.tokens) if owned != shard]
+        run = batching.EngineRun(self.batcher, keys.queue_key(shard), shard, self.config.max_batch_requests,
                                  self.config.batch_admit_s, others, job.worker_name)
 
         def done(each_rid: str, result: Result) -> None:
@@ -159,7 +158,7 @@ class Dispatcher:
         that is gone (it died, or its shard moved), and saying "create it first" would mislead."""
         if not (isinstance(result, ErrorResponse) and result.code == "unknown_model"):
             return result
-        if not self.connection.exists(keys.model_key(model_id, "info")):
+        if not self.connection.exists(keys.info_key(model_id)):
             return result
         return ErrorResponse(status=500, code="model_state_lost", error=(
             f"model {model_id!r} was created on a worker that is gone, and its training state and weight "
@@ -184,10 +183,6 @@ class Dispatcher:
                           job.id, job.origin)
                 return
             self.fail(shard, job.id, classify(exc_type, exc))
-
-
-def _queue_key(name: str) -> str:
-    return Queue.redis_queue_namespace_prefix + name
 
 
 def classify(exc_type: type, exc: BaseException) -> ErrorResponse:

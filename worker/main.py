@@ -11,11 +11,9 @@ import time
 from redis import Redis
 from rq import Queue
 
-from producer.enqueue import check_num_shards
 from schemas import ErrorResponse, Limits
 from tinkerq import keys
 from tinkerq.config import QueueConfig
-from worker import context
 from tinkerq.keys import shard_of_queue
 from worker.dispatcher import Dispatcher
 from worker.fencing import Fence
@@ -37,14 +35,13 @@ class WorkerProcess:
     ) -> None:
         self.connection = connection
         self.config = config or QueueConfig()
-        check_num_shards(connection, self.config.num_shards)
+        keys.check_num_shards(connection, self.config.num_shards)
         self.wanted = sorted(set(shards)) if shards is not None else list(range(self.config.num_shards))
         if any(not 0 <= s < self.config.num_shards for s in self.wanted):
             raise ValueError(f"shards must lie in [0, {self.config.num_shards}); got {self.wanted}")
         self.name = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
         self.fence = Fence(connection, self.name, self.config.lease_ttl_ms)
         self.dispatcher = Dispatcher(connection, runtime, self.fence, self.config, limits)
-        context.install(self.dispatcher)
         self.rq_worker: ShardWorker | None = None
         self._stopping = threading.Event()
         self._incarnation = 0
@@ -103,6 +100,7 @@ class WorkerProcess:
             on_tick=self._tick,
             on_unloadable=self._on_unloadable,
             admit=self.dispatcher.admission.admit,
+            context=self.dispatcher,
             log_job_description=False,
         )
         worker.push_exc_handler(self._on_job_exception)

@@ -15,6 +15,7 @@ from rq.registry import StartedJobRegistry
 
 from tinkerq import keys
 from tinkerq.keys import shard_of_queue
+from worker.inflight import InFlightList
 
 log = logging.getLogger(__name__)
 
@@ -25,15 +26,15 @@ def recover(connection: Redis, queue: Queue) -> list[str]:
     registry = StartedJobRegistry(queue=queue)
     candidates = [i.decode() if isinstance(i, bytes) else i for i in connection.lrange(intermediate.key, 0, -1)]
     candidates += [job_id for job_id, _ in registry.get_job_and_execution_ids(cleanup=False)]
-    inflight = keys.inflight_key(shard_of_queue(queue.name))
-    candidates += [i.decode() for i in connection.lrange(inflight, 0, -1)]
+    inflight = InFlightList(shard_of_queue(queue.name), connection)
+    candidates += inflight.job_ids()
     ordered = sorted(set(candidates), key=lambda rid: _created(connection, rid))
     requeued = []
     for rid in reversed(ordered):  # pushing at the front in reverse keeps the original order
         job = _fetch(connection, queue, rid)
         with connection.pipeline() as pipe:
             pipe.lrem(intermediate.key, 0, rid)
-            pipe.lrem(inflight, 0, rid)
+            inflight.remove(rid, pipe, count=0)
             if job is not None:
                 registry.remove_executions(job, pipeline=pipe)
             if job is not None and not connection.exists(keys.result_key(rid)):

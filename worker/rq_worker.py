@@ -4,7 +4,8 @@
 - Every job read from Redis is untrusted: a queue entry that is not a request id is dropped at the pop, and
   every job RQ loads is judged by `admit` (worker/admission.py) before RQ acts on it. A job hash is loaded
   without the RQ fields through which RQ would import code, send HTTP requests or enqueue and re-run jobs.
-- Only allowlisted job functions run (JSON gives no code execution, but func_name would).
+- Only jobs named in `tinkerq/jobs.py` run, and their names are never imported: each runs in the worker's context
+  (its dispatcher). JSON gives no code execution, but importing func_name would.
 - A side thread renews the shard leases and keeps RQ's heartbeats alive during long jobs, so
   RQ's registry cleanup never marks a running job abandoned.
 - Every failure path ends with an ErrorResponse stored for the request.
@@ -13,15 +14,17 @@
 
 RQ internals relied on (rq is pinned exactly in pyproject; each is re-checked by a test):
 `Job.restore` (every load of a hash: `Job.fetch`, `Job.fetch_many`, `Queue.fetch_job`, the registries'
-cleanup), the hash field names it reads, `Queue.lpop` / `Queue.lmove` (the pop, before `dequeue_any` decodes
-the id), `Queue._fetch_dequeued_job`, `Queue.move_dependents_to_ready` / `enqueue_dependents` (called by the
-worker's success and failure paths), and `BaseWorker.dequeue_job_and_maintain_ttl`.
+cleanup), `Job._execute` (where RQ would import and call the job's function), the hash field names it reads,
+`Queue.lpop` / `Queue.lmove` (the pop, before `dequeue_any` decodes the id), `Queue._fetch_dequeued_job`,
+`Queue.move_dependents_to_ready` / `enqueue_dependents` (called by the worker's success and failure paths), and
+`BaseWorker.dequeue_job_and_maintain_ttl`.
 """
 
 import logging
 import threading
 import zlib
 from collections.abc import Callable
+from typing import Any, Protocol
 
 from rq import Queue, SimpleWorker
 from rq.intermediate_queue import IntermediateQueue
@@ -29,8 +32,8 @@ from rq.job import Job
 from rq.worker import WorkerStatus
 
 from worker import admission
+from tinkerq.jobs import JOB_NAMES
 from worker.admission import Refused, Verdict
-from worker.jobs import ALLOWED_FUNCTIONS
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +71,22 @@ def _field(name: bytes | str) -> str:
     return name.decode(errors="replace") if isinstance(name, bytes) else name
 
 
+class JobContext(Protocol):
+    """What runs an admitted job (the dispatcher), handed to every job the worker takes."""
+
+    def handle(self, job: Job) -> dict[str, Any]: ...
+
+
 class AllowlistJob(Job):
     """A job loaded as untrusted data: without RQ's hook fields (listed in `ignored_fields` when set), with its
-    data bounded, and run only once the worker admitted it (`verdict`) and only if its function is allowed."""
+    data bounded, and run only once the worker admitted it (`verdict`) and only if its function is allowed.
+    Its function name is never imported: the job runs in the worker's `context`."""
 
     # Far above what a request within `Limits` serialises to (tens of MB), far below a worker's memory: a
     # zlib bomb in `data` is refused instead of inflated.
     max_data_bytes = 256 * 1024 * 1024
     verdict: Verdict | None = None
+    context: JobContext | None = None
     ignored_fields: tuple[str, ...] = ()
 
     def restore(self, raw_data):  # noqa: ANN001, ANN201 - RQ's signature
@@ -90,9 +101,16 @@ class AllowlistJob(Job):
             raise ForbiddenJob("the job was not admitted by the worker")
         if isinstance(self.verdict, Refused) and self.verdict.forged:
             raise ForbiddenJob(self.verdict.error.error)
-        if self.func_name not in ALLOWED_FUNCTIONS:
+        if self.func_name not in JOB_NAMES:
             raise ForbiddenJob(f"function {self.func_name!r} is not an allowed tinkerq job function")
         return super().perform()
+
+    def _execute(self) -> dict[str, Any]:
+        # The worker has judged the job and parsed its payload (worker/admission.py); the context takes the parsed
+        # request from the job's verdict.
+        if self.context is None:
+            raise ForbiddenJob("the job was not handed a context by the worker")
+        return self.context.handle(self)
 
 
 def _check_size(data: bytes | str | None, limit: int) -> None:
@@ -162,12 +180,14 @@ class ShardWorker(SimpleWorker):
         on_tick: Callable[[], None] | None = None,
         on_unloadable: Callable[[str, object, Exception], None] | None = None,
         admit: Callable[[Job, str], Verdict] | None = None,
+        context: JobContext | None = None,
         **kwargs,
     ) -> None:
         self.tick_s = tick_s  # read by RQ's __init__ (connection timeout)
         self.on_tick = on_tick
         self.on_unloadable = on_unloadable
         self.admit = admit
+        self.context = context
         super().__init__(*args, job_class=AllowlistJob, serializer="json", **kwargs)
         self.running: tuple | None = None
         self.stop_reason: str | None = None
@@ -225,9 +245,11 @@ class ShardWorker(SimpleWorker):
                 if self.on_unloadable is not None:
                     self.on_unloadable(job_id, exc.queue, exc)
                 continue
-            if result is not None and self.admit is not None:
+            if result is not None:
                 job, queue = result
-                job.verdict = self.admit(job, queue.name)
+                job.context = self.context
+                if self.admit is not None:
+                    job.verdict = self.admit(job, queue.name)
             return result
 
     def stop(self, reason: str) -> None:

@@ -6,16 +6,16 @@ no-op RQ job; when its predecessor has run, the worker runs it. One that waits p
 gets an ErrorResponse, and the model's sequence moves past it so later ops are not wedged.
 """
 
-import json
 import logging
 import time
 from collections.abc import Callable
 
 from redis import Redis
 
-from schemas import ErrorResponse, Request, parse_request
+from schemas import ErrorResponse, Request
 from tinkerq import keys
 from worker.fencing import Fence
+from worker.held import HeldOps
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +35,14 @@ class Sequencer:
         self.gap_timeout_s = gap_timeout_s
         self.execute = execute
         self.finish = finish
+        self.held = HeldOps(connection)
 
     def last_seq(self, model_id: str) -> int:
         """The last seq_id that took its turn: run here, or refused by the API at submit (it never reached the
         queue, but the client counted it, so later ops must not wait for it)."""
         with self.connection.pipeline(transaction=False) as pipe:
-            pipe.get(keys.model_key(model_id, "seq"))
-            pipe.smembers(keys.model_key(model_id, "refused"))
+            pipe.get(keys.last_seq_key(model_id))
+            pipe.smembers(keys.refused_seqs_key(model_id))
             last, refused = pipe.execute()
         last = int(last or 0)
         skipped = {int(s) for s in refused}
@@ -54,7 +55,7 @@ class Sequencer:
         model_id, seq_id = request.model_id, request.seq_id
         if _creates_model(request):
             self.execute(shard, rid, request)
-            self.fence.set_counter(shard, keys.model_key(model_id, "seq"), seq_id or 0, only_up=False)
+            self.fence.set_counter(shard, keys.last_seq_key(model_id), seq_id or 0, only_up=False)
             self.drain(shard, model_id)
             return "ran"
         if seq_id is None:
@@ -65,7 +66,7 @@ class Sequencer:
             self.finish(shard, rid, _stale(model_id, seq_id, last))
             return "rejected"
         if seq_id > last + 1:
-            self._hold(shard, rid, request)
+            self.held.hold(shard, rid, request, time.time() + self.gap_timeout_s)
             return "held"
         self._run_in_order(shard, rid, request)
         self.drain(shard, model_id)
@@ -75,37 +76,19 @@ class Sequencer:
         try:
             self.execute(shard, rid, request)
         finally:  # an op that failed still took its turn: later ops must not wait for it
-            self.fence.set_counter(shard, keys.model_key(request.model_id, "seq"), request.seq_id)
-
-    def _hold(self, shard: int, rid: str, request: Request) -> None:
-        with self.connection.pipeline() as pipe:
-            pipe.hset(keys.model_key(request.model_id, "held_payload"), rid, request.model_dump_json())
-            pipe.zadd(keys.model_key(request.model_id, "held"), {rid: request.seq_id})
-            pipe.zadd(keys.held_deadlines_key(shard), {_member(rid, request.model_id): time.time() + self.gap_timeout_s})
-            pipe.execute()
-
-    def _claim(self, shard: int, rid: str, model_id: str) -> Request | None:
-        """Take a held op out of the parked set; None if someone else already did."""
-        if not self.connection.zrem(keys.model_key(model_id, "held"), rid):
-            return None
-        with self.connection.pipeline() as pipe:
-            pipe.hget(keys.model_key(model_id, "held_payload"), rid)
-            pipe.hdel(keys.model_key(model_id, "held_payload"), rid)
-            pipe.zrem(keys.held_deadlines_key(shard), _member(rid, model_id))
-            payload = pipe.execute()[0]
-        return parse_request(json.loads(payload)) if payload else None
+            self.fence.set_counter(shard, keys.last_seq_key(request.model_id), request.seq_id)
 
     def drain(self, shard: int, model_id: str) -> None:
         """Run parked ops of the model while the next one in sequence is there."""
         while True:
-            head = self.connection.zrange(keys.model_key(model_id, "held"), 0, 0, withscores=True)
-            if not head:
+            head = self.held.first(model_id)
+            if head is None:
                 return
-            rid, seq_id = head[0][0].decode(), int(head[0][1])
+            rid, seq_id = head
             last = self.last_seq(model_id)
             if seq_id > last + 1:
                 return
-            request = self._claim(shard, rid, model_id)
+            request = self.held.take(shard, rid, model_id)
             if request is None:
                 continue
             if seq_id <= last:
@@ -121,14 +104,12 @@ class Sequencer:
     def sweep(self, shard: int) -> None:
         """Run parked ops whose gap a refusal at submit closed, answer those whose gap did not fill in time, and
         let their models move on."""
-        for member in self.connection.zrange(keys.held_deadlines_key(shard), 0, -1):
-            self.drain(shard, member.decode().split("|", 1)[1])
-        expired = self.connection.zrangebyscore(keys.held_deadlines_key(shard), "-inf", time.time())
-        for member in expired:
-            rid, model_id = member.decode().split("|", 1)
-            seq_id = self.connection.zscore(keys.model_key(model_id, "held"), rid)
-            request = self._claim(shard, rid, model_id)
-            self.connection.zrem(keys.held_deadlines_key(shard), member)
+        for _, model_id in self.held.waiting(shard):
+            self.drain(shard, model_id)
+        for rid, model_id in self.held.expired(shard):
+            seq_id = self.held.seq_id(model_id, rid)
+            request = self.held.take(shard, rid, model_id)
+            self.held.forget_deadline(shard, rid, model_id)
             if request is None:
                 continue
             expected = self.last_seq(model_id) + 1
@@ -137,12 +118,8 @@ class Sequencer:
                 f"for seq_id {expected}, which never arrived",
                 status=408, code="seq_gap_timeout", retryable=False,
             ))
-            self.fence.set_counter(shard, keys.model_key(model_id, "seq"), int(seq_id))
+            self.fence.set_counter(shard, keys.last_seq_key(model_id), int(seq_id))
             self.drain(shard, model_id)
-
-
-def _member(rid: str, model_id: str) -> str:
-    return f"{rid}|{model_id}"
 
 
 def _stale(model_id: str, seq_id: int, last: int) -> ErrorResponse:

@@ -121,7 +121,7 @@ class Runs(_Store):
         """The run as the API and its worker recorded it; None unless its worker has created it."""
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hgetall(keys.run_key(model_id))
-            pipe.hget(keys.model_key(model_id, "info"), "json")
+            pipe.hget(keys.info_key(model_id), "json")
             run, info = await pipe.execute()
         if info is None:
             return None
@@ -131,7 +131,7 @@ class Runs(_Store):
 
     async def info(self, model_id: str) -> dict | None:
         """What the model's worker recorded at create/load (base_model, lora_rank)."""
-        raw = await self.redis.hget(keys.model_key(model_id, "info"), "json")
+        raw = await self.redis.hget(keys.info_key(model_id), "json")
         return json.loads(raw) if raw else None
 
     async def page(self, offset: int, limit: int) -> tuple[list[str], int]:
@@ -144,23 +144,23 @@ class Runs(_Store):
 
     async def checkpoints(self, model_id: str) -> dict[str, CheckpointRecord]:
         """checkpoint id ("weights/<name>", "sampler_weights/<name>") -> its record, as the worker registered it."""
-        raw = await self.redis.hgetall(keys.model_key(model_id, "checkpoints"))
+        raw = await self.redis.hgetall(keys.checkpoints_key(model_id))
         return {k.decode(): CheckpointRecord.model_validate_json(v) for k, v in raw.items()}
 
     async def name_snapshot(self, model_id: str, name: str, version: int) -> None:
-        await self.redis.hset(keys.model_key(model_id, "named"), name, version)
+        await self.redis.hset(keys.named_key(model_id), name, version)
 
     async def named_version(self, model_id: str, name: str) -> int | None:
-        version = await self.redis.hget(keys.model_key(model_id, "named"), name)
+        version = await self.redis.hget(keys.named_key(model_id), name)
         return int(version) if version is not None else None
 
     async def forget_name(self, model_id: str, name: str) -> None:
-        await self.redis.hdel(keys.model_key(model_id, "named"), name)
+        await self.redis.hdel(keys.named_key(model_id), name)
 
     async def refuse_seq(self, model_id: str, seq_id: int) -> None:
         """A sequenced training op refused at submit: the SDK counted its seq_id, so the worker must not hold
         later ops of the model waiting for it."""
-        key = keys.model_key(model_id, "refused")
+        key = keys.refused_seqs_key(model_id)
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.sadd(key, seq_id)
             pipe.expire(key, self.ttl_s)

@@ -3,10 +3,10 @@
 import asyncio
 import contextlib
 import logging
-from collections import defaultdict
 
 from redis.asyncio import Redis
 
+from producer.waiting import Backoff, Waiters
 from tinkerq import keys
 
 log = logging.getLogger(__name__)
@@ -16,7 +16,7 @@ class AsyncResultWaiter:
     def __init__(self, redis: Redis, poll_s: float = 1.0) -> None:
         self.redis = redis
         self.poll_s = poll_s
-        self._events: dict[str, set[asyncio.Event]] = defaultdict(set)
+        self._waiters: Waiters[asyncio.Event] = Waiters()
         self._task: asyncio.Task | None = None
         self._stopping = asyncio.Event()
 
@@ -37,35 +37,26 @@ class AsyncResultWaiter:
             log.warning("result listener did not stop within %.0f s; leaving it behind", grace_s)
 
     async def _listen(self) -> None:
-        backoff = 0.0
+        backoff = Backoff()
         while not self._stopping.is_set():
             try:
                 async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
                     await pubsub.subscribe(keys.DONE_CHANNEL)
-                    backoff = 0.0
-                    self._wake_all()  # whatever landed while we were (re)connecting
+                    backoff.connected()
+                    self._waiters.wake_all()  # whatever landed while we were (re)connecting
                     while not self._stopping.is_set():
                         message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=self.poll_s)
                         if message is not None and message["type"] == "message":
-                            for event in self._events.get(message["data"].decode(), ()):
-                                event.set()
+                            self._waiters.wake(message["data"].decode())
             except Exception as exc:  # noqa: BLE001 - reconnect on any connection trouble
-                if not backoff:
+                if not backoff.failing:
                     log.warning("result listener lost Redis (%s); reconnecting", exc)
-                backoff = min(max(2 * backoff, 0.25), 5.0)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), backoff)
-
-    def _wake_all(self) -> None:
-        for events in self._events.values():
-            for event in events:
-                event.set()
+                    await asyncio.wait_for(self._stopping.wait(), backoff.failed())
 
     async def wait(self, request_id: str, timeout: float) -> bytes | None:
         """The stored result JSON, or None if it has not landed within `timeout` seconds."""
-        event = asyncio.Event()
-        self._events[request_id].add(event)
-        try:
+        with self._waiters.registered(request_id, asyncio.Event()) as event:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
             while True:
@@ -76,7 +67,3 @@ class AsyncResultWaiter:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(event.wait(), min(remaining, 5.0))
                 event.clear()
-        finally:
-            self._events[request_id].discard(event)
-            if not self._events[request_id]:
-                del self._events[request_id]
