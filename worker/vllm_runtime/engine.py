@@ -173,8 +173,12 @@ class VllmEngine(Engine):
     def _reload(self, base_model: str, weights: LoraWeights) -> None:
         llm = self.llms[base_model]
         if base_model not in self.writers:
+            # In place only where it was checked to serve the synced weights: on the H200 (vLLM 0.26, bf16) the
+            # in-place merged write served neither the new nor the old weights (bench/RESULTS.md, 2026-12-04),
+            # so a GPU reloads until that is understood.
+            checked = self.inplace and self.device.type == "cpu"
             self.writers[base_model] = (inplace_merged.MergedWriter.attach(llm, self._base_weights(base_model))
-                                        if self.inplace else None)
+                                        if checked else None)
         writer = self.writers[base_model]
         if writer is None or not writer.write(weights):
             full = merge.merged(self._base_weights(base_model), weights)

@@ -101,7 +101,13 @@ class LoraSlots:
         mapper = getattr(self.manager.model, "hf_to_vllm_mapper", None)
         if mapper is None:
             return module
-        mapped = mapper.get_rename_mapper()._map_name(module)
+        # the renames only, as vLLM's own LoRA loader applies them: 0.32 names it get_rename_mapper, 0.26
+        # get_unstacked_mapper
+        for name in ("get_rename_mapper", "get_unstacked_mapper"):
+            if hasattr(mapper, name):
+                mapper = getattr(mapper, name)()
+                break
+        mapped = mapper._map_name(module)
         return module if mapped is None else mapped
 
     def plan(self, weights: LoraWeights) -> dict[str, Target] | None:
