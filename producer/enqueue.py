@@ -187,6 +187,9 @@ class Producer:
         pipe.multi()
         for request, ticket, body_digest in batch.fresh:
             self._enqueue(pipe, request, ticket, body_digest)
+        for shard in batch.added:  # wake the shard's owner (worker/claim.py): one entry at most
+            pipe.rpush(keys.bell_key(shard), 1)
+            pipe.ltrim(keys.bell_key(shard), -1, -1)
         pipe.execute()
         return outcomes
 

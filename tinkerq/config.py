@@ -24,6 +24,8 @@ class QueueConfig(BaseSettings):
     # drains, and the next job in the shard queue gets its turn.
     batch_admit_s: float = Field(30.0, ge=0)
     tick_s: int = Field(1, ge=1, description="worker idle loop period (seconds)")
+    # A worker waits this long for an unreachable Redis (killed, restarting, frozen) before it gives up and exits.
+    redis_outage_s: float = Field(300.0, gt=0)
     # Sequences sampled with record_stability_info can be trained on (stable_reinforce) this long after their
     # sampling or their last use in training (Tinker: one day).
     stability_ttl_s: int = Field(86400, ge=1)

@@ -124,6 +124,11 @@ def epoch_key(shard: int) -> str:
     return f"{PREFIX}:shard:{shard}:epoch"
 
 
+def bell_key(shard: int) -> str:
+    """A shard's doorbell: producers push to it (kept to one entry) with every enqueue, the owner blocks on it."""
+    return f"{PREFIX}:shard:{shard}:bell"
+
+
 def held_deadlines_key(shard: int) -> str:
     return f"{PREFIX}:shard:{shard}:held"
 

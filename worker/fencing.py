@@ -3,11 +3,14 @@
 A worker owns a shard while it holds `tq:shard:{k}:lease = "<worker>:<epoch>"`. Every authoritative
 write (a result, an applied version, a sequence position) runs as one Lua script that first checks
 the lease still holds our token, so a stalled former owner can never overwrite its successor's work.
+Those writes ride out a Redis outage (each is idempotent: NX, max, or the same value again), so a job whose work
+is done when Redis goes away stores its result once Redis is back instead of being run a second time.
 """
 
 from redis import Redis
 
 from tinkerq import keys
+from worker.outage import retrying
 
 _ACQUIRE = """
 local epoch = redis.call('INCR', KEYS[2])
@@ -68,10 +71,11 @@ class FencedOut(RuntimeError):
 class Fence:
     """The leases one worker holds, and the fenced writes made under them."""
 
-    def __init__(self, connection: Redis, owner: str, ttl_ms: int) -> None:
+    def __init__(self, connection: Redis, owner: str, ttl_ms: int, outage_s: float = 300.0) -> None:
         self.connection = connection
         self.owner = owner
         self.ttl_ms = ttl_ms
+        self.outage_s = outage_s
         self.tokens: dict[int, str] = {}
         self._acquire = connection.register_script(_ACQUIRE)
         self._renew = connection.register_script(_RENEW)
@@ -109,6 +113,14 @@ class Fence:
             self._release(keys=[keys.lease_key(shard)], args=[token])
         self.tokens.clear()
 
+    def forget(self, shards: list[int]) -> None:
+        """Shards found lost elsewhere (the claim saw another token): take them again only through `acquire`."""
+        for shard in shards:
+            self.tokens.pop(shard, None)
+
+    def _write(self, script, script_keys: list[str], args: list, what: str):  # noqa: ANN001, ANN202
+        return retrying(self.connection, self.outage_s, lambda: script(keys=script_keys, args=args), what)
+
     def owns(self, shard: int) -> bool:
         return shard in self.tokens
 
@@ -118,25 +130,26 @@ class Fence:
 
     def put_result(self, shard: int, request_id: str, payload: str, ttl_s: int, status: str) -> bool:
         """Store a result first-writer-wins. False if one was already stored; FencedOut if not owner."""
-        outcome = self._put_result(
-            keys=[keys.lease_key(shard), keys.result_key(request_id), keys.request_key(request_id)],
-            args=[self._token(shard), payload, ttl_s, keys.DONE_CHANNEL, request_id, status],
+        outcome = self._write(
+            self._put_result,
+            [keys.lease_key(shard), keys.result_key(request_id), keys.request_key(request_id)],
+            [self._token(shard), payload, ttl_s, keys.DONE_CHANNEL, request_id, status],
+            f"the result of {request_id}",
         )
         if outcome == -1:
             raise FencedOut(f"lost the lease on shard {shard}; result of {request_id} not written")
         return outcome == 1
 
     def set_counter(self, shard: int, key: str, value: int, *, only_up: bool = True) -> None:
-        outcome = self._set_counter(
-            keys=[keys.lease_key(shard), key], args=[self._token(shard), value, "max" if only_up else "set"]
-        )
+        outcome = self._write(self._set_counter, [keys.lease_key(shard), key],
+                              [self._token(shard), value, "max" if only_up else "set"], key)
         if outcome == -1:
             raise FencedOut(f"lost the lease on shard {shard}; {key} not written")
 
     def hset(self, shard: int, key: str, field: str, value: str) -> None:
-        if self._hset(keys=[keys.lease_key(shard), key], args=[self._token(shard), field, value]) == -1:
+        if self._write(self._hset, [keys.lease_key(shard), key], [self._token(shard), field, value], key) == -1:
             raise FencedOut(f"lost the lease on shard {shard}; {key} not written")
 
     def hdel(self, shard: int, key: str, field: str) -> None:
-        if self._hdel(keys=[keys.lease_key(shard), key], args=[self._token(shard), field]) == -1:
+        if self._write(self._hdel, [keys.lease_key(shard), key], [self._token(shard), field], key) == -1:
             raise FencedOut(f"lost the lease on shard {shard}; {key} not written")

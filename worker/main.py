@@ -10,13 +10,16 @@ import time
 
 from redis import Redis
 from rq import Queue
+from rq.exceptions import StopRequested
 
 from schemas import ErrorResponse, Limits
 from tinkerq import keys
 from tinkerq.config import QueueConfig
 from tinkerq.keys import shard_of_queue
+from worker.claim import Claimer
 from worker.dispatcher import Dispatcher
 from worker.fencing import Fence
+from worker.outage import REDIS_DOWN, wait_for_redis
 from worker.recovery import recover
 from worker.rq_worker import LostJob, ShardQueue, ShardWorker
 from worker.runtime import Runtime
@@ -40,7 +43,8 @@ class WorkerProcess:
         if any(not 0 <= s < self.config.num_shards for s in self.wanted):
             raise ValueError(f"shards must lie in [0, {self.config.num_shards}); got {self.wanted}")
         self.name = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
-        self.fence = Fence(connection, self.name, self.config.lease_ttl_ms)
+        self.fence = Fence(connection, self.name, self.config.lease_ttl_ms, self.config.redis_outage_s)
+        self.claimer = Claimer(connection, self.fence)
         self.dispatcher = Dispatcher(connection, runtime, self.fence, self.config, limits)
         self.rq_worker: ShardWorker | None = None
         self._stopping = threading.Event()
@@ -73,27 +77,68 @@ class WorkerProcess:
         self._stopping.clear()
         keeper = threading.Thread(target=self._keep_leases, name="tinkerq-lease-keeper", daemon=True)
         keeper.start()
+        outage: Exception | None = None
         try:
             while not self._stopping.is_set():
-                self.take_free_shards()
-                if not self.fence.tokens:
-                    if burst:
-                        return
-                    time.sleep(self.config.tick_s)  # standby: every wanted shard has a live owner
-                    continue
-                self.rq_worker = self._new_rq_worker()
-                self.rq_worker.work(burst=burst, logging_level=logging_level, dequeue_strategy="round_robin")
-                if burst or self.rq_worker.stop_reason is None:
-                    break  # a signal, or RQ gave up (its own log says why)
+                try:
+                    if outage is not None and not self._resume_after(outage):
+                        break
+                    outage = None
+                    if not self._serve_once(burst, logging_level):
+                        break
+                except REDIS_DOWN as exc:  # anywhere: taking shards, recovering, RQ's loop, the job in hand
+                    outage = exc
+                except StopRequested:  # a signal while the loop was outside RQ's work()
+                    break
         finally:
             self._stopping.set()
             keeper.join(timeout=5)
-            self.fence.release()
+            try:
+                self.fence.release()
+            except REDIS_DOWN as exc:  # the leases lapse on their own after their TTL
+                log.warning("worker %s could not release its leases (%s)", self.name, exc)
+
+    def _serve_once(self, burst: bool, logging_level: str) -> bool:
+        """Take free shards and consume them until the leases change (True: go on), or a stop (False)."""
+        self.take_free_shards()
+        if not self.fence.tokens:
+            if burst:
+                return False
+            time.sleep(self.config.tick_s)  # standby: every wanted shard has a live owner
+            return True
+        self.rq_worker = self._new_rq_worker()
+        self.rq_worker.work(burst=burst, logging_level=logging_level, dequeue_strategy="round_robin")
+        if self.rq_worker.outage is not None:
+            raise self.rq_worker.outage
+        # a signal, or RQ gave up (its own log says why)
+        return not burst and self.rq_worker.stop_reason is not None and not self._signalled()
+
+    def _signalled(self) -> bool:
+        """SIGTERM/SIGINT reached RQ's handler (it notes the time before anything else)."""
+        return self.rq_worker is not None and self.rq_worker._shutdown_requested_date is not None
+
+    def _resume_after(self, outage: Exception) -> bool:
+        """Wait for Redis (RedisGone past `redis_outage_s`), then put back what was in flight on the shards still
+        owned: the job in hand was interrupted, and a claim or a requeue may have been cut off anywhere.
+        False: asked to stop meanwhile."""
+        log.warning("worker %s: Redis is away (%s); waiting up to %g s for it", self.name, outage,
+                    self.config.redis_outage_s)
+        if not wait_for_redis(self.connection, self.config.redis_outage_s,
+                              lambda: self._stopping.is_set() or self._signalled()):
+            return False
+        lost = self.fence.renew()
+        if lost:
+            log.warning("worker %s: its leases on shards %s lapsed while Redis was away", self.name, lost)
+        for shard in sorted(self.fence.tokens):
+            recover(self.connection, self._queue(shard))
+        log.warning("worker %s: Redis is back; resuming", self.name)
+        return True
 
     def _new_rq_worker(self) -> ShardWorker:
         self._incarnation += 1
         worker = ShardWorker(
             [self._queue(shard) for shard in sorted(self.fence.tokens)],
+            claimer=self.claimer,
             connection=self.connection,
             name=f"{self.name}-{self._incarnation}",
             tick_s=self.config.tick_s,
@@ -127,7 +172,9 @@ class WorkerProcess:
         while not self._stopping.wait(period):
             try:
                 self._keep_once()
-            except Exception:  # noqa: BLE001 - Redis hiccups: keep trying until the lease runs out
+            except REDIS_DOWN as exc:  # the main loop waits for Redis; keep trying until the lease runs out
+                log.warning("lease renewal failed: Redis is away (%s)", exc)
+            except Exception:  # noqa: BLE001 - keep trying until the lease runs out
                 log.exception("lease renewal failed")
 
     def _keep_once(self) -> None:

@@ -1,14 +1,17 @@
 """Put a dead owner's unfinished jobs back at the front of a shard queue, in enqueue order.
 
-Runs when a worker takes a shard, before it consumes anything. Jobs popped but never finished sit
-in RQ's intermediate list or its started registry; those without a stored result go back to the
-head of the queue (RQ's own cleanup would fail them or append them at the tail, out of order).
+Runs when a worker takes a shard, and when it resumes after a Redis outage, before it consumes anything. Jobs
+claimed but never finished sit in the queue's intermediate list (where the claim moved them), RQ's started
+registry, or the shard's in-flight list (batched samples); those without a stored result go back to the head of
+the queue (RQ's own cleanup would fail them or append them at the tail, out of order). Running it twice puts
+nothing in twice: an id already queued is moved, not copied.
 """
 
 import logging
 
 from redis import Redis
 from rq import Queue
+from rq.executions import Execution, ExecutionRegistry
 from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
@@ -25,7 +28,12 @@ def recover(connection: Redis, queue: Queue) -> list[str]:
     intermediate = IntermediateQueue(queue.key, connection)
     registry = StartedJobRegistry(queue=queue)
     candidates = [i.decode() if isinstance(i, bytes) else i for i in connection.lrange(intermediate.key, 0, -1)]
-    candidates += [job_id for job_id, _ in registry.get_job_and_execution_ids(cleanup=False)]
+    # Registry entries are read as they are, never through RQ's Execution objects: an execution hash expires
+    # 60 s before the registries that list it (RQ's own margins), and loading one then raises ValueError.
+    started: dict[str, list[str]] = {}
+    for job_id, execution_id in registry.get_job_and_execution_ids(cleanup=False):
+        started.setdefault(job_id, []).append(execution_id)
+    candidates += list(started)
     inflight = InFlightList(shard_of_queue(queue.name), connection)
     candidates += inflight.job_ids()
     ordered = sorted(set(candidates), key=lambda rid: _created(connection, rid))
@@ -35,10 +43,13 @@ def recover(connection: Redis, queue: Queue) -> list[str]:
         with connection.pipeline() as pipe:
             pipe.lrem(intermediate.key, 0, rid)
             inflight.remove(rid, pipe, count=0)
-            if job is not None:
-                registry.remove_executions(job, pipeline=pipe)
+            for execution_id in started.get(rid, ()):
+                pipe.zrem(registry.key, f"{rid}:{execution_id}")
+                pipe.delete(Execution(execution_id, rid, connection).key)
+            pipe.delete(ExecutionRegistry(rid, connection).key)  # every execution of an in-flight job is over
             if job is not None and not connection.exists(keys.result_key(rid)):
                 job.set_status(JobStatus.QUEUED, pipeline=pipe)
+                pipe.lrem(queue.key, 0, rid)  # put back already (a worker's own put-back after a lost lease)
                 queue.push_job_id(rid, pipeline=pipe, at_front=True)
                 requeued.append(rid)
             pipe.execute()

@@ -11,13 +11,19 @@
 - Every failure path ends with an ErrorResponse stored for the request.
 - The idle loop ticks every `tick_s`, which lets the worker answer held ops whose deadline passed.
 - A queued id whose job hash is gone is answered too (RQ would drop it without a trace).
+- The pop is worker/claim.py's: a job moves from its queue to the queue's intermediate list (the in-flight record)
+  in one step that checks the lease, and leaves that list only once it ended (or went back to the queue head).
+- A Redis outage anywhere in the loop ends `work()` with `outage` set, never a crash: the job in hand stays in
+  flight, or goes back to its queue when the lease was lost, and is never marked FAILED for it. WorkerProcess
+  waits for Redis, recovers and starts a new incarnation.
 
 RQ internals relied on (rq is pinned exactly in pyproject; each is re-checked by a test):
 `Job.restore` (every load of a hash: `Job.fetch`, `Job.fetch_many`, `Queue.fetch_job`, the registries'
-cleanup), `Job._execute` (where RQ would import and call the job's function), the hash field names it reads,
-`Queue.lpop` / `Queue.lmove` (the pop, before `dequeue_any` decodes the id), `Queue._fetch_dequeued_job`,
-`Queue.move_dependents_to_ready` / `enqueue_dependents` (called by the worker's success and failure paths), and
-`BaseWorker.dequeue_job_and_maintain_ttl`.
+cleanup), the hash field names it reads, `Queue.lpop` / `Queue.lmove` (the pop, before `dequeue_any` decodes
+the id), `Queue._fetch_dequeued_job`, `Queue.move_dependents_to_ready` / `enqueue_dependents` (called by the
+worker's success and failure paths), `BaseWorker.dequeue_job_and_maintain_ttl` (replaced), `prepare_job_execution`,
+`Job._execute` (where RQ would import and call the job's function),
+`handle_exception` / `handle_job_failure` (in that order, from `_finalize_failure`), `heartbeat` and `teardown`.
 """
 
 import logging
@@ -27,13 +33,18 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from rq import Queue, SimpleWorker
+from rq.exceptions import StopRequested
 from rq.intermediate_queue import IntermediateQueue
-from rq.job import Job
+from rq.job import Job, JobStatus
 from rq.worker import WorkerStatus
 
+from tinkerq.keys import shard_of_queue
 from worker import admission
 from tinkerq.jobs import JOB_NAMES
 from worker.admission import Refused, Verdict
+from worker.claim import Claimer
+from worker.fencing import FencedOut
+from worker.outage import REDIS_DOWN, RedisGone
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +99,9 @@ class AllowlistJob(Job):
     verdict: Verdict | None = None
     context: JobContext | None = None
     ignored_fields: tuple[str, ...] = ()
+    # Why the job stopped short without being answered: its lease was lost, or Redis went away. It then stays in
+    # flight (or goes back to its queue) to run again, and RQ does not mark it FAILED.
+    transient: Exception | None = None
 
     def restore(self, raw_data):  # noqa: ANN001, ANN201 - RQ's signature
         self.ignored_fields = tuple(name for name in HOOK_FIELDS
@@ -126,6 +140,10 @@ def _check_size(data: bytes | str | None, limit: int) -> None:
 
 class LostJob(Exception):
     """A queued id whose RQ job hash is gone (deleted, or evicted by a Redis not set to noeviction)."""
+
+
+# A job that raised one of these did not fail: it was interrupted, and runs again.
+TRANSIENT: tuple[type[Exception], ...] = (FencedOut, RedisGone, *REDIS_DOWN)
 
 
 class ShardQueue(Queue):
@@ -176,6 +194,7 @@ class ShardWorker(SimpleWorker):
     def __init__(
         self,
         *args,
+        claimer: Claimer,
         tick_s: int = 1,
         on_tick: Callable[[], None] | None = None,
         on_unloadable: Callable[[str, object, Exception], None] | None = None,
@@ -184,6 +203,7 @@ class ShardWorker(SimpleWorker):
         **kwargs,
     ) -> None:
         self.tick_s = tick_s  # read by RQ's __init__ (connection timeout)
+        self.claimer = claimer
         self.on_tick = on_tick
         self.on_unloadable = on_unloadable
         self.admit = admit
@@ -191,6 +211,7 @@ class ShardWorker(SimpleWorker):
         super().__init__(*args, job_class=AllowlistJob, serializer="json", **kwargs)
         self.running: tuple | None = None
         self.stop_reason: str | None = None
+        self.outage: Exception | None = None  # set when Redis went away and ended the loop
         self._heartbeat_lock = threading.Lock()
 
     @property
@@ -210,15 +231,65 @@ class ShardWorker(SimpleWorker):
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         return HEARTBEAT_TTL_S
 
-    def execute_job(self, job: Job, queue) -> None:
-        execution = self.prepare_execution(job)
-        self.running = (job, execution)
+    def _outage(self, exc: Exception) -> None:
+        """End `work()` quietly (RQ breaks its loop on StopRequested); WorkerProcess rides the outage out."""
+        log.warning("worker %s: Redis went away (%s); this incarnation stops", self.name, exc)
+        self.outage = exc
+        raise StopRequested() from exc
+
+    def heartbeat(self, timeout: int | None = None, pipeline=None) -> None:  # noqa: ANN001 - RQ's signature
         try:
-            self.perform_job(job, queue, execution)
-        finally:
-            with self._heartbeat_lock:
-                self.running = None
-        self.set_state(WorkerStatus.IDLE)
+            super().heartbeat(timeout, pipeline=pipeline)
+        except REDIS_DOWN as exc:  # only the loop's own heartbeats run a command here, never a job's
+            self._outage(exc)
+
+    def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
+        # RQ drops the id from the intermediate list here when it serves one queue; it stays there until the job
+        # ended (execute_job), whatever the number of queues: the in-flight record does not depend on RQ's TTLs.
+        super().prepare_job_execution(job, remove_from_intermediate_queue=False)
+
+    def execute_job(self, job: Job, queue) -> None:
+        try:
+            execution = self.prepare_execution(job)
+            self.running = (job, execution)
+            try:
+                self.perform_job(job, queue, execution)
+            finally:
+                with self._heartbeat_lock:
+                    self.running = None
+            if job.transient is None:
+                self.claimer.done(queue.key, job.id)
+            self.set_state(WorkerStatus.IDLE)
+        except REDIS_DOWN as exc:  # RQ's own bookkeeping failed: the job stays in flight, recovery requeues it
+            self._outage(exc)
+        if job.transient is not None and not isinstance(job.transient, FencedOut):
+            self._outage(job.transient)
+
+    def handle_exception(self, job: Job, *exc_info) -> None:
+        if isinstance(exc_info[1], TRANSIENT):
+            job.transient = exc_info[1]  # no error result, and (handle_job_failure) no FAILED
+            return
+        super().handle_exception(job, *exc_info)
+
+    def handle_job_failure(self, job: Job, queue, started_job_registry=None, exc_string="",  # noqa: ANN001
+                           execution=None) -> None:
+        if job.transient is None:
+            return super().handle_job_failure(job, queue, started_job_registry, exc_string, execution)
+        if not isinstance(job.transient, FencedOut):
+            return None  # Redis is away: the job stays in flight; recovery requeues it once Redis is back
+        log.warning("job %s: the lease on its shard was lost; it goes back to the head of its queue", job.id)
+        try:
+            with self.connection.pipeline() as pipe:  # first out of the registry (else RQ would fail it later)
+                if execution is not None:
+                    self.cleanup_execution(job, pipe, execution)
+                job.set_status(JobStatus.QUEUED, pipeline=pipe)
+                pipe.execute()
+            self.claimer.put_back(queue.key, job.id)
+        except REDIS_DOWN as exc:
+            job.transient = exc
+        self.claimer.fence.forget([shard_of_queue(queue.name)])
+        self.stop("lost leases")
+        return None
 
     def keep_running_job_alive(self) -> None:
         """Called from the side thread: refresh RQ's heartbeats for the job in progress."""
@@ -226,31 +297,70 @@ class ShardWorker(SimpleWorker):
             if self.running is not None:
                 self.maintain_heartbeats(*self.running)
 
-    def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):
-        """RQ's dequeue, where a job that cannot be loaded is answered and a queue entry that names no request
-        is dropped, and every job it returns carries the worker's verdict on it."""
-        while True:
-            try:
-                result = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
-            except BadQueueEntry as exc:
-                log.error("%s", exc)
-                self.connection.lrem(IntermediateQueue.get_intermediate_queue_key(exc.queue_key), 1, exc.raw)
-                continue
-            except Exception as exc:  # noqa: BLE001
-                job_id = getattr(exc, "job_id", None)
-                if job_id is None:
-                    raise
-                # The job hash exists but RQ cannot even load it: answer it and move on.
-                log.error("job %s cannot be loaded (%s); answering it with an error", job_id, exc)
-                if self.on_unloadable is not None:
-                    self.on_unloadable(job_id, exc.queue, exc)
-                continue
-            if result is not None:
-                job, queue = result
-                job.context = self.context
-                if self.admit is not None:
-                    job.verdict = self.admit(job, queue.name)
-            return result
+    def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):  # noqa: ANN001, ANN201
+        """Claim the next job (worker/claim.py) instead of RQ's pop. A job that cannot be loaded is answered, a
+        queue entry that names no request is dropped, and every job returned carries the worker's verdict."""
+        try:
+            self.set_state(WorkerStatus.IDLE)
+            while True:
+                result = self._claim_next(timeout)
+                if result is not False:
+                    return result
+        except REDIS_DOWN as exc:
+            self._outage(exc)
+
+    def _claim_next(self, timeout: int | None):  # noqa: ANN202 - (job, queue), None (stop or idle burst), False
+        self.heartbeat()
+        if self.should_run_maintenance_tasks:
+            self.run_maintenance_tasks()
+        if self._stop_requested:
+            return None
+        queue_keys = [queue.key for queue in self._ordered_queues]
+        popped, lost = self.claimer.claim(queue_keys)
+        if lost:
+            log.error("worker %s: the leases on shards %s are no longer its own", self.name, lost)
+            self.claimer.fence.forget(lost)
+            self.stop("lost leases")
+        if popped is None:
+            if lost or timeout is None:
+                return None
+            self.claimer.wait(queue_keys, timeout)
+            return False
+        queue_key, raw = popped
+        if admission.job_id(raw) is None:
+            log.error("%s", BadQueueEntry(raw, queue_key))
+            self.connection.lrem(IntermediateQueue.get_intermediate_queue_key(queue_key), 1, raw)
+            return False
+        job_id = raw.decode()
+        try:
+            job, queue = self.queue_class._fetch_dequeued_job(
+                self.connection, queue_key, job_id, job_class=self.job_class, serializer=self.serializer,
+                death_penalty_class=self.death_penalty_class)
+        except REDIS_DOWN:
+            raise  # RQ tags every fetch error with the job id: this one is no fault of the job's
+        except Exception as exc:  # noqa: BLE001
+            if getattr(exc, "job_id", None) is None:
+                raise
+            # The job hash exists but RQ cannot even load it: answer it and move on.
+            log.error("job %s cannot be loaded (%s); answering it with an error", job_id, exc)
+            if self.on_unloadable is not None:
+                self.on_unloadable(job_id, exc.queue, exc)
+            return False
+        self.reorder_queues(reference_queue=queue)
+        self.log.info("Worker %s: %s: %s", self.name, queue.name, job.id)
+        job.context = self.context
+        if self.admit is not None:
+            job.verdict = self.admit(job, queue.name)
+        return job, queue
+
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        except REDIS_DOWN as exc:  # its death is not recorded; the worker key expires on its own
+            log.warning("worker %s: could not record its end (%s)", self.name, exc)
+            if self.pubsub_thread is not None:
+                self.pubsub_thread.stop()
+                self.pubsub_thread.join(timeout=1)
 
     def stop(self, reason: str) -> None:
         """Ask the loop to return after the current job (used when leases change)."""
