@@ -115,6 +115,10 @@ def test_queue_entries_that_name_no_request_and_forged_origins_never_crash_the_w
     assert codes(producer, list(origins)) == dict.fromkeys(origins, "invalid_job")
     assert "origin" in producer.get("origin-foreign").error
     queue_key = f"rq:queue:{keys.queue_name(shard)}"
+    # a claimed job leaves its in-flight list just after its result is stored: wait for that, boundedly
+    deadline = time.monotonic() + WAIT_S
+    while (r.llen(queue_key) or r.llen(f"{queue_key}:intermediate")) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert r.llen(queue_key) == 0 and r.llen(f"{queue_key}:intermediate") == 0
     assert not r.exists(keys.result_key("with-space id"))
 
