@@ -98,21 +98,28 @@ def server(tmp_path: Path, fsync: str):
     proc.kill()
 
 
-@pytest.fixture
-def worker(server: RedisProc, tmp_path: Path):
-    proc = WorkerProc(server.url, {
+def loaded_worker(url: str, tmp_path: Path, **env: str) -> WorkerProc:
+    """A reference-runtime worker whose engine runs take ~30 ms (busy), with MODELS created."""
+    proc = WorkerProc(url, {
         "TINKERQ_RUNTIME": "reference",
         "TINKERQ_NUM_SHARDS": str(CONFIG.num_shards),
         "TINKERQ_LEASE_TTL_MS": str(CONFIG.lease_ttl_ms),
         "TINKERQ_CHECKPOINT_ROOT": str(tmp_path),
         "TINKERQ_REFERENCE_DELAY_PER_TOKEN_S": "0.002",  # each engine run takes ~30 ms: the worker is busy
+        **env,
     })
-    r = connect(server.url)
+    r = connect(url)
     producer = Producer(r, CONFIG)
     for model in MODELS:
         out = producer.wait(producer.submit(CreateModelRequest(model_id=model, base_model="ref")).request_id, 60)
         assert out is not None and out.type == "create_model", proc.output()
     producer.close()
+    return proc
+
+
+@pytest.fixture
+def worker(server: RedisProc, tmp_path: Path):
+    proc = loaded_worker(server.url, tmp_path)
     yield proc
     proc.kill(signal.SIGKILL)
 

@@ -26,6 +26,9 @@ class QueueConfig(BaseSettings):
     tick_s: int = Field(1, ge=1, description="worker idle loop period (seconds)")
     # A worker waits this long for an unreachable Redis (killed, restarting, frozen) before it gives up and exits.
     redis_outage_s: float = Field(300.0, gt=0)
+    # After SIGTERM/SIGINT the worker finishes the job in hand for at most this long, then exits anyway (status 0):
+    # what it had in hand stays in Redis for the next owner (worker/shutdown.py).
+    stop_grace_s: float = Field(5.0, gt=0)
     # Sequences sampled with record_stability_info can be trained on (stable_reinforce) this long after their
     # sampling or their last use in training (Tinker: one day).
     stability_ttl_s: int = Field(86400, ge=1)

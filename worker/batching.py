@@ -143,8 +143,10 @@ class EngineRun:
     that a stream of samples on one shard holds up no other job for long."""
 
     def __init__(self, batcher: Batcher, queue_key: str, shard: int, max_requests: int, admit_s: float,
-                 other_queue_keys: list[str], worker_name: str | None = None) -> None:
+                 other_queue_keys: list[str], worker_name: str | None = None,
+                 stopping: Callable[[], bool] = lambda: False) -> None:
         self.batcher, self.queue_key, self.shard, self.worker_name = batcher, queue_key, shard, worker_name
+        self.stopping = stopping  # a worker asked to stop admits no more: the batch drains and it returns
         self.other_queue_keys = other_queue_keys
         self.max_requests = max_requests
         self.admit_until = time.monotonic() + admit_s
@@ -161,7 +163,7 @@ class EngineRun:
     def admit(self, accept: Callable[[SampleRequest], bool]) -> list[tuple[str, SampleRequest]]:
         self.flush()
         room = self.max_requests - len(self.unfinished) - 1
-        if room <= 0 or time.monotonic() > self.admit_until:
+        if room <= 0 or time.monotonic() > self.admit_until or self.stopping():
             return []
         mine, *others = queues.lengths(self.batcher.connection, [self.queue_key, *self.other_queue_keys])
         if not mine or any(others):

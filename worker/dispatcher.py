@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -53,6 +54,7 @@ class Dispatcher:
         self.admission = Admission(config, limits or Limits())
         self.batcher = batching.Batcher(connection, config.rq_result_ttl_s, self.admission)
         self.stability = StabilityRecords(connection, config.stability_ttl_s)
+        self.stopping = threading.Event()  # set when the worker is asked to stop: running batches admit no more
         self.sequencer = Sequencer(connection, fence, config.seq_gap_timeout_s, self._execute, self.finish)
 
     def finish(self, shard: int, request_id: str, result: Result) -> bool:
@@ -129,7 +131,7 @@ class Dispatcher:
         # list() copies in one step: the lease keeper thread may take or lose a shard meanwhile
         others = [keys.queue_key(owned) for owned in list(self.fence.tokens) if owned != shard]
         run = batching.EngineRun(self.batcher, keys.queue_key(shard), shard, self.config.max_batch_requests,
-                                 self.config.batch_admit_s, others, job.worker_name)
+                                 self.config.batch_admit_s, others, job.worker_name, self.stopping.is_set)
 
         def done(each_rid: str, result: Result) -> None:
             each = run.requests[each_rid]

@@ -23,6 +23,7 @@ from worker.outage import REDIS_DOWN, wait_for_redis
 from worker.recovery import recover
 from worker.rq_worker import LostJob, ShardQueue, ShardWorker
 from worker.runtime import Runtime
+from worker.shutdown import StopWatchdog
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,8 @@ class WorkerProcess:
         self.claimer = Claimer(connection, self.fence)
         self.dispatcher = Dispatcher(connection, runtime, self.fence, self.config, limits)
         self.rq_worker: ShardWorker | None = None
-        self._stopping = threading.Event()
+        self._stopping = self.dispatcher.stopping
+        self.watchdog = StopWatchdog(self.config.stop_grace_s, self._leaving)
         self._incarnation = 0
 
     def _queue(self, shard: int) -> ShardQueue:
@@ -64,14 +66,36 @@ class WorkerProcess:
         return taken
 
     def run(self, burst: bool = False, logging_level: str = "INFO") -> None:
-        # RQ installs SIGINT/SIGTERM handlers and never removes them; an embedding process (or a
+        # The worker installs SIGINT/SIGTERM handlers (its own, and RQ's loop its own); an embedding process (or a
         # child it forks later) must get its own back, or SIGTERM stops being able to end it.
+        if threading.current_thread() is not threading.main_thread():
+            self._run(burst, logging_level)  # only the main thread gets signals: the embedder stops it
+            return
         saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
+            for sig in saved:
+                signal.signal(sig, self._on_signal)
             self._run(burst, logging_level)
         finally:
             for sig, handler in saved.items():
                 signal.signal(sig, handler)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        """SIGTERM/SIGINT outside RQ's loop (standby, taking shards, waiting out an outage)."""
+        self._signal(signum)
+        raise StopRequested()
+
+    def _signal(self, signum: int) -> None:
+        log.warning("worker %s: got signal %d; stopping (at most %g s)", self.name, signum, self.config.stop_grace_s)
+        self.watchdog.arm()
+        self.watchdog.start()
+        self._stopping.set()
+
+    def _leaving(self) -> str:
+        """What a worker that stops now leaves to the next owner (no Redis call: it may be frozen)."""
+        worker = self.rq_worker
+        running = worker.running[0].id if worker is not None and worker.running is not None else None
+        return f"worker {self.name}, shards {sorted(self.fence.tokens)}, job in hand {running}"
 
     def _run(self, burst: bool, logging_level: str) -> None:
         self._stopping.clear()
@@ -114,8 +138,7 @@ class WorkerProcess:
         return not burst and self.rq_worker.stop_reason is not None and not self._signalled()
 
     def _signalled(self) -> bool:
-        """SIGTERM/SIGINT reached RQ's handler (it notes the time before anything else)."""
-        return self.rq_worker is not None and self.rq_worker._shutdown_requested_date is not None
+        return self.watchdog.armed
 
     def _resume_after(self, outage: Exception) -> bool:
         """Wait for Redis (RedisGone past `redis_outage_s`), then put back what was in flight on the shards still
@@ -146,6 +169,7 @@ class WorkerProcess:
             on_unloadable=self._on_unloadable,
             admit=self.dispatcher.admission.admit,
             context=self.dispatcher,
+            on_signal=self._signal,
             log_job_description=False,
         )
         worker.push_exc_handler(self._on_job_exception)

@@ -27,6 +27,7 @@ worker's success and failure paths), `BaseWorker.dequeue_job_and_maintain_ttl` (
 """
 
 import logging
+import signal
 import threading
 import zlib
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from rq import Queue, SimpleWorker
 from rq.exceptions import StopRequested
 from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job, JobStatus
+from rq.utils import now
 from rq.worker import WorkerStatus
 
 from tinkerq.keys import shard_of_queue
@@ -200,6 +202,7 @@ class ShardWorker(SimpleWorker):
         on_unloadable: Callable[[str, object, Exception], None] | None = None,
         admit: Callable[[Job, str], Verdict] | None = None,
         context: JobContext | None = None,
+        on_signal: Callable[[int], None] | None = None,
         **kwargs,
     ) -> None:
         self.tick_s = tick_s  # read by RQ's __init__ (connection timeout)
@@ -208,11 +211,27 @@ class ShardWorker(SimpleWorker):
         self.on_unloadable = on_unloadable
         self.admit = admit
         self.context = context
+        self.on_signal = on_signal
         super().__init__(*args, job_class=AllowlistJob, serializer="json", **kwargs)
         self.running: tuple | None = None
         self.stop_reason: str | None = None
         self.outage: Exception | None = None  # set when Redis went away and ended the loop
         self._heartbeat_lock = threading.Lock()
+
+    def _install_signal_handlers(self) -> None:
+        # Not RQ's: its second signal raises SystemExit (status 1), and its warm stop writes to Redis from the
+        # signal handler, which blocks there when Redis is frozen.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self._on_signal)
+            signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.on_signal is not None:
+            self.on_signal(signum)  # the worker process's stop: its watchdog bounds the rest
+        self._shutdown_requested_date = now()
+        self.stop(f"signal {signum}")
+        if self.get_state() != WorkerStatus.BUSY:
+            raise StopRequested()  # out of a blocking wait for a job; a busy worker returns after the job
 
     @property
     def dequeue_timeout(self) -> int:
