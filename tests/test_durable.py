@@ -154,3 +154,116 @@ def test_what_cannot_be_rebuilt_is_named(r, config, tmp_path):
     assert [x.code for x in lost] == ["model_state_lost", "model_state_lost"], lost
     assert Path(archive).name in lost[0].error
     assert keys.journal_key(other) in lost[1].error
+
+
+# -- worker processes -----------------------------------------------------------------------------------------
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def owns_all(r, config) -> bool:
+    """Every shard is leased (by the one worker started so far)."""
+    return all(r.exists(keys.lease_key(s)) for s in range(config.num_shards))
+
+
+def answered(producer: Producer, tickets: list, timeout: float) -> list:
+    """Each ticket's result; a retryable error is submitted again (as a client does) until it is served."""
+    outs = []
+    deadline = time.monotonic() + timeout
+    for op, ticket in tickets:
+        while True:
+            out = producer.wait(ticket.request_id, max(1.0, deadline - time.monotonic()))
+            assert out is not None, f"no result for {op.kind} {ticket.request_id} within {timeout}s"
+            if not (isinstance(out, ErrorResponse) and out.retryable) or time.monotonic() > deadline:
+                break
+            print(f"retrying {op.kind} after {out.code}")
+            ticket = producer.submit(op)
+        outs.append(out)
+    return outs
+
+
+def saved_adapter(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    from worker.torch_runtime.checkpoints import extract_archive
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return load_file(str(extract_archive(Path(path), Path(tmp) / "x") / "adapter_model.safetensors"))
+
+
+@pytest.mark.slow
+def test_a_run_whose_owner_is_sigkilled_at_a_random_point_ends_as_an_uninterrupted_one(r, config, start_worker):
+    seed = random.randrange(1_000_000)
+    print(f"kill point seed: {seed}")
+    owner = start_worker(TINKERQ_RUNTIME="torch")
+    wait_until(lambda: owns_all(r, config), 120, "the first worker's leases")
+    standby = start_worker(TINKERQ_RUNTIME="torch")
+    producer = Producer(r, config)
+    steps = 4
+    ops = training("survivor:train:0", steps)
+    tickets = [(op, producer.submit(op)) for op in ops]
+    kill_after = random.Random(seed).randrange(1, len(ops) - 1)
+    print(f"the owner is killed once {kill_after} of {len(ops)} results are stored")
+    wait_until(lambda: sum(r.exists(keys.result_key(t.request_id)) for _, t in tickets) >= kill_after, 300,
+               f"{kill_after} results")
+    owner.kill(signal.SIGKILL)
+    outs = answered(producer, tickets, 300)
+    assert standby.alive(), standby.output()
+    errors = [(op.kind, out) for (op, _), out in zip(tickets, outs) if isinstance(out, ErrorResponse)]
+    assert not errors, errors
+    versions = [out.weights_version for out in outs if out.type == "sample"]
+    assert versions == list(range(1, steps + 1))  # each sample is served on the sync before it, across the kill
+
+    # the same requests, never interrupted (the standby serves them), then both adapters saved and compared
+    reference = [(op, producer.submit(op)) for op in training("reference:train:0", steps)]
+    assert not [out for out in answered(producer, reference, 300) if isinstance(out, ErrorResponse)]
+    saves = [producer.submit(SaveStateRequest(model_id=m, seq_id=3 * steps + 1, name="end"))
+             for m in ("survivor:train:0", "reference:train:0")]
+    paths = [producer.wait(t.request_id, 120).path for t in saves]
+    survivor, uninterrupted = (saved_adapter(p) for p in paths)
+    assert survivor.keys() == uninterrupted.keys() and survivor
+    for name in survivor:
+        assert torch.allclose(survivor[name], uninterrupted[name], atol=1e-5), name
+    assert any(bool(v.abs().sum() > 0) for k, v in survivor.items() if "lora_B" in k)  # trained (B starts at 0)
+    assert "survivor:train:0: replaying journal entries" in standby.output()  # it was rebuilt there
+    for shard in range(config.num_shards):  # nothing left queued or in flight: every request ended once
+        assert r.llen(keys.queue_key(shard)) == 0 and r.llen(keys.inflight_key(shard)) == 0
+
+
+@pytest.mark.slow
+def test_a_persisted_snapshot_is_sampled_through_the_sdk_after_its_owner_is_sigkilled(r, config, start_worker,
+                                                                                      start_api):
+    import os
+
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    import tinker
+    from tinker import types
+
+    owner = start_worker(TINKERQ_RUNTIME="torch")
+    wait_until(lambda: owns_all(r, config), 120, "the first worker's leases")
+    standby = start_worker(TINKERQ_RUNTIME="torch")
+    api = start_api()
+    client = tinker.ServiceClient(base_url=api.url, api_key="tml-test-key")
+    trainer = client.create_lora_training_client(base_model=BASE, rank=4, seed=0)
+    full = PROMPT + [40, 41, 42, 43]
+    data = [types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                        loss_fn_inputs={"target_tokens": full[1:]})]
+    trainer.forward_backward(data, "cross_entropy").result()
+    trainer.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    path = trainer.save_weights_for_sampler("before-the-kill").result().path
+    params = types.SamplingParams(max_tokens=4, temperature=0)
+    before = client.create_sampling_client(model_path=path).sample(
+        prompt=types.ModelInput.from_ints(PROMPT), num_samples=1, sampling_params=params).result()
+    owner.kill(signal.SIGKILL)
+    after = client.create_sampling_client(model_path=path).sample(
+        prompt=types.ModelInput.from_ints(PROMPT), num_samples=1, sampling_params=params).result()
+    assert list(after.sequences[0].tokens) == list(before.sequences[0].tokens)
+    assert standby.alive(), standby.output()
+    client.close("success").result()
