@@ -94,7 +94,7 @@ class Dispatcher:
 
     def _execute(self, shard: int, rid: str, request: Request) -> None:
         request = reproducible(request)
-        if not isinstance(request, (DeleteCheckpointRequest, CreateCustomLossRequest)):  # these need no model
+        if self.config.durable and not isinstance(request, (DeleteCheckpointRequest, CreateCustomLossRequest)):
             lost = self.restorer.ensure(request.model_id)
             if lost is not None:
                 self.finish(shard, rid, lost)
@@ -114,7 +114,7 @@ class Dispatcher:
             info = {"base_model": result.base_model, "lora_rank": result.lora_rank}
             self.fence.hset(shard, keys.info_key(result.model_id), "json", json.dumps(info))
         self._register_checkpoint(shard, request, result)
-        if changes_state(request, result):
+        if self.config.durable and changes_state(request, result):
             self._finish_journaled(shard, rid, request, result)
         else:
             self.finish(shard, rid, result)
@@ -172,7 +172,8 @@ class Dispatcher:
             """The items whose model is ready here (rebuilt from its journal if need be); the others answered."""
             ready = []
             for each_rid, each in items:
-                lost = None if each.base_model is not None else self.restorer.ensure(each.model_id)
+                lost = None if each.base_model is not None or not self.config.durable \
+                    else self.restorer.ensure(each.model_id)
                 if lost is None:
                     ready.append((each_rid, each))
                 else:
