@@ -77,6 +77,30 @@ def run(r: Redis, runtime, durable: bool, model_id: str, times: dict) -> None:
     worker.run(burst=True, logging_level="WARNING")
 
 
+def write_costs(r: Redis, request, n: int = 300) -> dict[str, float]:
+    """The result write alone, p50 ms, without and with the journal entry of a forward_backward of this shape
+    (interleaved): the part of the overhead the shared machine's noise does not drown."""
+    from tinkerq import keys
+    from worker.fencing import Fence
+
+    fence = Fence(r, "bench", 60_000)
+    fence.acquire([0])
+    plain, journaled = [], []
+    entry = request.model_dump_json()
+    for i in range(n):
+        t0 = time.perf_counter()
+        fence.put_result(0, f"plain-{i}", '{"type": "forward_backward"}', 60, "done")
+        t1 = time.perf_counter()
+        fence.put_result_journaled(0, f"journaled-{i}", '{"type": "forward_backward"}', 60, "done",
+                                   keys.journal_key("w:train:0"), entry, keys.last_seq_key("w:train:0"), i)
+        t2 = time.perf_counter()
+        plain.append(t1 - t0)
+        journaled.append(t2 - t1)
+    fence.release()
+    return {"put_result_p50_ms": statistics.median(plain) * 1e3,
+            "put_result_journaled_p50_ms": statistics.median(journaled) * 1e3, "entry_bytes": len(entry)}
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         server = None if ARGS.redis_url else EmbeddedRedis().start()
@@ -91,6 +115,7 @@ def main() -> None:
             for durable in (i % 2 == 0, i % 2 == 1):
                 run(r, runtime, durable, f"m{i}{int(durable)}:train:0", times[durable])
         journal_bytes = sum(len(e) for e in r.lrange(Journal.key("m01:train:0"), 0, -1))
+        writes = write_costs(r, ops("w:train:0", 1, ARGS.batch, ARGS.length, ARGS.rank)[1])
         restores = []
         for _ in range(3):
             fresh = build_runtime(rc)
@@ -108,13 +133,15 @@ def main() -> None:
     step_off = sum(r_["off_p50_ms"] for r_ in rows)
     out = {"machine": platform.platform(), "python": platform.python_version(), "args": vars(ARGS), "ops": rows,
            "step_ratio": step_on / step_off, "journal_bytes_per_model": journal_bytes,
-           "restore_s_p50": statistics.median(restores), "restore_steps": ARGS.steps}
+           "restore_s_p50": statistics.median(restores), "writes": writes, "restore_steps": ARGS.steps}
     print("| op | durable off p50 ms | on p50 ms | on / off |\n| --- | --- | --- | --- |")
     for row in rows:
         print(f"| {row['op']} | {row['off_p50_ms']:.2f} | {row['on_p50_ms']:.2f} | {row['ratio']:.3f} |")
     print(f"| fb + optim_step | {step_off:.2f} | {step_on:.2f} | {step_on / step_off:.3f} |")
     print(f"journal of one model after {ARGS.steps} steps: {journal_bytes / 1024:.1f} KiB; "
           f"rebuilding it on a fresh runtime: {out['restore_s_p50'] * 1e3:.0f} ms (p50 of 3)")
+    print(f"result write alone: {writes['put_result_p50_ms']:.3f} ms plain, "
+          f"{writes['put_result_journaled_p50_ms']:.3f} ms with a {writes['entry_bytes']} B journal entry (p50)")
     target = ROOT / "bench" / "out"
     target.mkdir(exist_ok=True)
     (target / "durability.json").write_text(json.dumps(out, indent=2))
