@@ -32,6 +32,9 @@ class QueueConfig(BaseSettings):
     # Sequences sampled with record_stability_info can be trained on (stable_reinforce) this long after their
     # sampling or their last use in training (Tinker: one day).
     stability_ttl_s: int = Field(86400, ge=1)
+    # Each state-changing training op is journaled in Redis with its result, so any worker can rebuild the model
+    # after its owner dies (worker/journal.py). Off: a model lives only in its owner's memory (model_state_lost).
+    durable: bool = True
 
 
 class RuntimeConfig(BaseSettings):

@@ -102,6 +102,12 @@ def info_key(model_id: str) -> str:
     return model_key(model_id, "info")
 
 
+def journal_key(model_id: str) -> str:
+    """The model's training journal: every state-changing op whose result was stored, as request JSON, in the
+    order it ran (list; worker/journal.py). Appended in the same fenced write as the op's result."""
+    return model_key(model_id, "journal")
+
+
 def checkpoints_key(model_id: str) -> str:
     """Registered checkpoints: checkpoint id -> CheckpointRecord JSON (hash)."""
     return model_key(model_id, "checkpoints")

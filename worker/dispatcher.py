@@ -12,8 +12,10 @@ from rq.job import Job
 
 from schemas import (
     CheckpointRecord,
+    CreateCustomLossRequest,
     CreateModelOutput,
     DeleteCheckpointOutput,
+    DeleteCheckpointRequest,
     ErrorResponse,
     Limits,
     LoadStateOutput,
@@ -29,6 +31,8 @@ from tinkerq.config import QueueConfig
 from worker import batching
 from worker.admission import Admission, Refused
 from worker.fencing import Fence, FencedOut
+from worker.journal import Journal, changes_state, reproducible
+from worker.restore import Restorer
 from worker.runtime import DomainError, Runtime
 from worker.sequencing import Sequencer
 from worker.stability import StabilityRecords
@@ -55,6 +59,8 @@ class Dispatcher:
         self.batcher = batching.Batcher(connection, config.rq_result_ttl_s, self.admission)
         self.stability = StabilityRecords(connection, config.stability_ttl_s)
         self.stopping = threading.Event()  # set when the worker is asked to stop: running batches admit no more
+        self.journal = Journal(connection)
+        self.restorer = Restorer(connection, runtime, self.journal)
         self.sequencer = Sequencer(connection, fence, config.seq_gap_timeout_s, self._execute, self.finish)
 
     def finish(self, shard: int, request_id: str, result: Result) -> bool:
@@ -89,11 +95,18 @@ class Dispatcher:
         return {"request_id": rid, "seq": self.sequencer.submit(shard, rid, request)}
 
     def _execute(self, shard: int, rid: str, request: Request) -> None:
+        request = reproducible(request)
+        if self.config.durable and not isinstance(request, (DeleteCheckpointRequest, CreateCustomLossRequest)):
+            lost = self.restorer.ensure(request.model_id)
+            if lost is not None:
+                self.finish(shard, rid, lost)
+                return
         try:
             result = self.runtime.execute(request)
         except DomainError as exc:
             result = self._state_lost(request.model_id, exc.response())
         except Exception as exc:
+            self.restorer.diverged(request.model_id)  # it may have stopped halfway through changing the model
             # This op may be a parked one run inside another job: answer it here, then let RQ see it.
             self.fail(shard, rid, classify(type(exc), exc))
             raise
@@ -103,7 +116,24 @@ class Dispatcher:
             info = {"base_model": result.base_model, "lora_rank": result.lora_rank}
             self.fence.hset(shard, keys.info_key(result.model_id), "json", json.dumps(info))
         self._register_checkpoint(shard, request, result)
-        self.finish(shard, rid, result)
+        if self.config.durable and changes_state(request, result):
+            self._finish_journaled(shard, rid, request, result)
+        else:
+            self.finish(shard, rid, result)
+
+    def _finish_journaled(self, shard: int, rid: str, request: Request, result: Result) -> None:
+        """Store the result of a state-changing op together with its journal entry (worker/journal.py)."""
+        model_id = request.model_id
+        try:
+            length = self.fence.put_result_journaled(
+                shard, rid, result.model_dump_json(), self.config.result_ttl_s, "done", self.journal.key(model_id),
+                self.journal.entry(request), keys.last_seq_key(model_id), request.seq_id)
+        except BaseException:
+            self.restorer.diverged(model_id)  # ran here, but not journaled
+            raise
+        if not length:
+            log.info("result of %s was already stored; keeping the first", rid)
+        self.restorer.journaled(model_id, length)
 
     def _register_checkpoint(self, shard: int, request: Request, result: Result) -> None:
         """Saved and deleted checkpoints, for the REST API's listings (fenced, like every authoritative write)."""
@@ -140,8 +170,24 @@ class Dispatcher:
             self.finish(shard, each_rid, self._state_lost(each.model_id, result))
             run.finished(each_rid)
 
+        def restored(items: list[tuple[str, SampleRequest]]) -> list[tuple[str, SampleRequest]]:
+            """The items whose model is ready here (rebuilt from its journal if need be); the others answered."""
+            ready = []
+            for each_rid, each in items:
+                lost = None if each.base_model is not None or not self.config.durable \
+                    else self.restorer.ensure(each.model_id)
+                if lost is None:
+                    ready.append((each_rid, each))
+                else:
+                    done(each_rid, lost)
+            return ready
+
+        def admit(accept):  # noqa: ANN001, ANN202 - samples of a model not held here wait to be served first
+            held = self.runtime.trainer.has_model
+            return run.admit(lambda each: (each.base_model is not None or held(each.model_id)) and accept(each))
+
         try:
-            self.runtime.sample_stream(run.start(rid, request), done, run.admit)
+            self.runtime.sample_stream(restored(run.start(rid, request)), done, admit)
         except Exception:
             run.release()  # each will be retried on its own
             if rid not in run.served:

@@ -38,6 +38,24 @@ redis.call('PUBLISH', ARGV[4], ARGV[5])
 return 1
 """
 
+# put_result plus the model's journal entry for a state-changing op (worker/journal.py), in one step: a result is
+# published only once the op is recoverable. The model's last seq moves too (max), so an owner dying right after
+# this write leaves the sequencer's position right. Returns the journal's length, 0 or -1 as _PUT_RESULT.
+# KEYS: lease, result, request record, journal, last seq. ARGV: as _PUT_RESULT, then the entry, then the seq_id
+# ('' for none).
+_PUT_JOURNALED = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+if not redis.call('SET', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then return 0 end
+if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('HSET', KEYS[3], 'status', ARGV[6]) end
+local length = redis.call('RPUSH', KEYS[4], ARGV[7])
+if ARGV[8] ~= '' then
+  local current = tonumber(redis.call('GET', KEYS[5]))
+  if current == nil or tonumber(ARGV[8]) > current then redis.call('SET', KEYS[5], ARGV[8]) end
+end
+redis.call('PUBLISH', ARGV[4], ARGV[5])
+return length
+"""
+
 # KEYS: lease, counter. ARGV: token, value, mode ("max" keeps the larger value, "set" overwrites).
 _SET_COUNTER = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
@@ -81,6 +99,7 @@ class Fence:
         self._renew = connection.register_script(_RENEW)
         self._release = connection.register_script(_RELEASE)
         self._put_result = connection.register_script(_PUT_RESULT)
+        self._put_journaled = connection.register_script(_PUT_JOURNALED)
         self._set_counter = connection.register_script(_SET_COUNTER)
         self._hset = connection.register_script(_HSET)
         self._hdel = connection.register_script(_HDEL)
@@ -139,6 +158,21 @@ class Fence:
         if outcome == -1:
             raise FencedOut(f"lost the lease on shard {shard}; result of {request_id} not written")
         return outcome == 1
+
+    def put_result_journaled(self, shard: int, request_id: str, payload: str, ttl_s: int, status: str,
+                             journal_key: str, entry: str, seq_key: str, seq_id: int | None) -> int:
+        """put_result that also appends `entry` to the model's journal (and moves its last seq up to `seq_id`).
+        The journal's new length; 0 if a result was already stored (nothing appended); FencedOut if not owner."""
+        outcome = self._write(
+            self._put_journaled,
+            [keys.lease_key(shard), keys.result_key(request_id), keys.request_key(request_id), journal_key, seq_key],
+            [self._token(shard), payload, ttl_s, keys.DONE_CHANNEL, request_id, status, entry,
+             "" if seq_id is None else seq_id],
+            f"the result of {request_id}",
+        )
+        if outcome == -1:
+            raise FencedOut(f"lost the lease on shard {shard}; result of {request_id} not written")
+        return int(outcome)
 
     def set_counter(self, shard: int, key: str, value: int, *, only_up: bool = True) -> None:
         outcome = self._write(self._set_counter, [keys.lease_key(shard), key],

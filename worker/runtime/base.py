@@ -150,5 +150,9 @@ class Trainer(ABC):
     def base_model(self, model_id: str) -> str:
         return model_id
 
+    @abstractmethod
+    def remove_model(self, model_id: str) -> None:
+        """Drop the model's adapter, optimizer and gradients (no error if it is not held)."""
+
     def check_custom_loss(self, loss: CustomLoss) -> None:  # noqa: B027 - optional
         """Raise DomainError if forward_backward could not run this custom loss (it is compiled here)."""

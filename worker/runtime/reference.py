@@ -41,6 +41,10 @@ class ReferenceTrainer(Trainer):
     def base_model(self, model_id: str) -> str:
         return self.bases[model_id]
 
+    def remove_model(self, model_id: str) -> None:
+        for held in (self.steps, self.pending_grads, self.bases):
+            held.pop(model_id, None)
+
     def create_model(self, request: CreateModelRequest) -> CreateModelOutput:
         self.bases[request.model_id] = request.base_model
         self.steps[request.model_id] = 0

@@ -89,7 +89,24 @@ class Runtime:
         self.engine.add_model(model_id, self.trainer.base_model(model_id), weights)
         self._applied[model_id] = 0
 
-    def sync_weights(self, request: WeightSyncRequest) -> WeightSyncOutput:
+    def forget(self, model_id: str) -> None:
+        """Drop the model from this worker's memory (a stale copy, about to be rebuilt from its journal)."""
+        self.trainer.remove_model(model_id)
+        self.engine.remove_model(model_id)
+        self._applied.pop(model_id, None)
+        self._paths = {key: path for key, path in self._paths.items() if key[0] != model_id}
+
+    def replay(self, request, snapshots: dict[int, str]) -> None:
+        """Run a journaled op again to rebuild the model (worker/restore.py); its output is dropped. A persisted
+        sync is not saved again: its archive is recorded already (`snapshots`: version -> path)."""
+        if isinstance(request, WeightSyncRequest) and request.persist and request.version in snapshots:
+            self.sync_weights(request, saved=snapshots[request.version])
+        elif isinstance(request, CreateModelRequest):
+            self._create(request)
+        else:
+            self.execute(request)
+
+    def sync_weights(self, request: WeightSyncRequest, saved: str | None = None) -> WeightSyncOutput:
         """Make the trainer's current weights servable as `request.version`. Replays are no-ops."""
         model_id, version = self._known(request).model_id, request.version
         if version is None:
@@ -97,7 +114,7 @@ class Runtime:
         if version <= self._applied.get(model_id, -1):
             path = self._paths.get((model_id, version))
             return WeightSyncOutput(model_id=model_id, version=version, persisted=path is not None, path=path, applied=False)
-        path = self.trainer.save_sampler_weights(model_id, request.name) if request.persist else None
+        path = saved or (self.trainer.save_sampler_weights(model_id, request.name) if request.persist else None)
         self.engine.apply_weights(model_id, version, self.trainer.export_weights(model_id))
         self._applied[model_id] = version
         if path is not None:

@@ -75,6 +75,11 @@ class TorchTrainer(Trainer):
     def base_model(self, model_id: str) -> str:
         return self.models[model_id].base.name
 
+    def remove_model(self, model_id: str) -> None:
+        trained = self.models.pop(model_id, None)
+        if trained is not None:
+            trained.base.delete_adapter(trained.adapter)
+
     def create_model(self, request: CreateModelRequest) -> CreateModelOutput:
         if request.lora is None:
             raise DomainError(400, "unsupported", "the torch runtime trains LoRA adapters; give a lora config")
