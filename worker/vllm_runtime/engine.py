@@ -173,12 +173,11 @@ class VllmEngine(Engine):
     def _reload(self, base_model: str, weights: LoraWeights) -> None:
         llm = self.llms[base_model]
         if base_model not in self.writers:
-            # In place only where it was checked to serve the synced weights: on the H200 (vLLM 0.26, bf16) the
-            # in-place merged write served neither the new nor the old weights (bench/RESULTS.md, 2026-12-04),
-            # so a GPU reloads until that is understood.
-            checked = self.inplace and self.device.type == "cpu"
+            # vLLM 0.26's CUDA linear layers read `layer.weight` itself (UnquantizedLinearMethod.apply), so the
+            # in-place write is what they serve; the H200 run that seemed to say otherwise trained one datum until
+            # its logprobs stopped moving (bench/RESULTS.md, 2026-12-04: bf16 merge noise 0.03, step 0.06).
             self.writers[base_model] = (inplace_merged.MergedWriter.attach(llm, self._base_weights(base_model))
-                                        if checked else None)
+                                        if self.inplace else None)
         writer = self.writers[base_model]
         if writer is None or not writer.write(weights):
             full = merge.merged(self._base_weights(base_model), weights)
