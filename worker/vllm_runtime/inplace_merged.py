@@ -5,7 +5,8 @@ Here the HF -> vLLM map is built once (q/k/v rows of qkv_proj, gate/up rows of g
 name), and a sync writes only the modules the adapter targets, one fused kernel each
 (`addmm(base, B, A, alpha=scale)` into the parameter's rows), plus a restore from the base of any module an
 earlier adapter on this base changed and this one does not. One synchronisation at the end; the engine then
-resets its prefix cache (see engine._reload), so no KV of the old weights is read again.
+salts later requests' prefix-cache keys with the new weights' epoch (see engine._reload), so no KV of the old
+weights is read again.
 
 Parameters keep their storage, so CUDA graphs captured over them read the new values; vLLM 0.26's CUDA linear
 layers read `layer.weight` directly (UnquantizedLinearMethod.apply), so nothing else holds a copy. On CPU the engine is
