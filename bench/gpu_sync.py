@@ -41,6 +41,7 @@ from schemas import (  # noqa: E402
 from tinkerq.config import RuntimeConfig  # noqa: E402
 from worker.runtime.factory import build_runtime  # noqa: E402
 
+AWAY = [t + 20 for t in TARGET]  # another completion, trained on every other step
 MODES = {"lora": ("lora", True), "merged": ("merged", True), "lora-file": ("lora", False),
          "merged-reload": ("merged", False)}
 
@@ -90,8 +91,13 @@ def run_mode(args, model_name: str, mode: str) -> dict:
         n = args.n if inplace else max(3, args.n // 4)
         for i in range(n + 1):  # the first sync warms up (slot layout, fused-name map) and is not counted
             previous = trainer_logprobs(rt, model)
-            rt.execute(ForwardBackwardRequest(model_id=model, data=[datum(TARGET)], loss_fn="cross_entropy"))
-            rt.execute(OptimStepRequest(model_id=model, adam_params=AdamParams(learning_rate=args.lr)))
+            # alternate the completion trained on: on one datum the logprobs saturate within ~7 steps (then a step
+            # moves them by less than bf16's merge noise, and "right" cannot be told from "stale")
+            target = TARGET if i % 2 == 0 else AWAY
+            rt.execute(ForwardBackwardRequest(model_id=model, data=[datum(target)], loss_fn="cross_entropy"))
+            # beta1=0: Adam's momentum would cancel the alternating steps (CPU, randq-0.5b, float32: each step
+            # moves the logprobs by 1.2-5 with it off, 0.05-0.3 after 6 steps with it on)
+            rt.execute(OptimStepRequest(model_id=model, adam_params=AdamParams(learning_rate=args.lr, beta1=0.0)))
             weights = rt.trainer.export_weights(model)
             version += 1
             synchronize(args.device)
@@ -120,7 +126,8 @@ def run_mode(args, model_name: str, mode: str) -> dict:
             "inplace_path": used_inplace is not None and inplace,
             "max_gap_to_synced": max(c["gap_to_synced"] for c in checks),
             "min_gap_to_previous": min(c["gap_to_previous"] for c in checks),
-            "served_right": all(c["gap_to_synced"] < c["gap_to_previous"] / 10 for c in checks)}
+            "served_right": all(c["gap_to_synced"] < c["gap_to_previous"] / 10 for c in checks),
+            "checks": checks}
 
 
 def plot(rows: list[dict], path: Path) -> None:

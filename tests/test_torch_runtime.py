@@ -407,3 +407,25 @@ def test_a_bare_base_model_serves_its_untrained_weights_beside_trained_adapters(
     assert max_diff(trained_lps, base_lps) > 1e-2  # the trained model is not the base
     (unknown,) = rt.sample([SampleRequest.of_base("no-such-base", prompt_tokens=PROMPT)])
     assert isinstance(unknown, ErrorResponse) and unknown.code == "unknown_base_model"
+
+
+@pytest.mark.parametrize("base, train_unembed", [(BASE, True), ("tinyq-tied", False), ("tinyq-tied", True)])
+def test_the_syncs_fast_export_is_peft_state_dict_exactly_and_a_copy(rt, base, train_unembed):
+    """export_weights skips peft's state dict after the first call (lora_io.AdapterExport): the same names and
+    values as peft's own export, and a snapshot that later training steps leave alone."""
+    from worker.torch_runtime.lora_io import export_adapter
+
+    model = new_model(rt, base=base, train_unembed=train_unembed)
+    trained = rt.trainer.models[model]
+    rt.trainer.export_weights(model)  # builds the cached exporter
+    assert trained.exporter is not None
+    train_step(rt, model, lr=5e-2)
+    fast, peft = rt.trainer.export_weights(model), export_adapter(trained.base, trained.adapter)
+    assert list(fast.tensors) == list(peft.tensors)
+    assert any(".lora_B." in k and v.abs().max() > 0 for k, v in fast.tensors.items())  # trained: B moved off zero
+    for key, tensor in peft.tensors.items():
+        assert fast.tensors[key].dtype == tensor.dtype and torch.equal(fast.tensors[key], tensor), key
+    kept = {k: v.clone() for k, v in fast.tensors.items()}
+    train_step(rt, model, lr=5e-2)
+    assert all(torch.equal(fast.tensors[k], v) for k, v in kept.items())  # the snapshot did not move
+    assert any(not torch.equal(t, kept[k]) for k, t in rt.trainer.export_weights(model).tensors.items())

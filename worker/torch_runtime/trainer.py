@@ -26,7 +26,7 @@ from worker.runtime.base import DomainError, Trainer
 from worker.torch_runtime import custom_loss
 from worker.torch_runtime.bases import BaseModels, LoadedBase, adapter_name
 from worker.torch_runtime.checkpoints import extract_archive, write_archive
-from worker.torch_runtime.lora_io import LoraWeights, export_adapter, import_adapter, load_adapter, save_adapter, \
+from worker.torch_runtime.lora_io import AdapterExport, LoraWeights, export_adapter, import_adapter, load_adapter, save_adapter, \
     save_merged
 from worker.torch_runtime.packed_forward import TrainOptions, forward_request
 
@@ -42,6 +42,7 @@ class TrainedModel:
     adapter: str
     spec: LoraSpec
     optimizer: torch.optim.AdamW
+    exporter: AdapterExport | None = None  # built at the first export: the adapter's parameters never change
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -152,7 +153,12 @@ class TorchTrainer(Trainer):
 
     def export_weights(self, model_id: str) -> LoraWeights:
         trained = self.models[model_id]
-        return export_adapter(trained.base, trained.adapter)
+        if trained.exporter is None:
+            try:
+                trained.exporter = AdapterExport(trained.base, trained.adapter)
+            except ValueError:  # a peft layout this does not understand: its own state dict each time
+                return export_adapter(trained.base, trained.adapter)
+        return trained.exporter.export()
 
     def save_sampler_weights(self, model_id: str, name: str) -> str:
         trained = self.models[model_id]

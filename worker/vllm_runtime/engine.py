@@ -75,6 +75,10 @@ class VllmEngine(Engine):
         # base -> its in-place writer, or None where the engine's layout is not understood (file / reload path)
         self.slots: dict[str, inplace.LoraSlots | None] = {}
         self.writers: dict[str, inplace_merged.MergedWriter | None] = {}
+        # merged mode: base -> how many times its engine's weights changed. Requests carry it as vLLM's cache_salt
+        # (part of every prefix-cache key), so KV cached on older weights is never hit again, with no reset
+        # (vLLM's reset_prefix_cache walks every KV block in Python: ~200k of them for 0.5B in 0.3 of an H200).
+        self.epochs: dict[str, int] = {}
 
     # -- models and snapshots -------------------------------------------------------------------
 
@@ -173,12 +177,11 @@ class VllmEngine(Engine):
     def _reload(self, base_model: str, weights: LoraWeights) -> None:
         llm = self.llms[base_model]
         if base_model not in self.writers:
-            # In place only where it was checked to serve the synced weights: on the H200 (vLLM 0.26, bf16) the
-            # in-place merged write served neither the new nor the old weights (bench/RESULTS.md, 2026-12-04),
-            # so a GPU reloads until that is understood.
-            checked = self.inplace and self.device.type == "cpu"
+            # vLLM 0.26's CUDA linear layers read `layer.weight` itself (UnquantizedLinearMethod.apply), so the
+            # in-place write is what they serve; the H200 run that seemed to say otherwise trained one datum until
+            # its logprobs stopped moving (bench/RESULTS.md, 2026-12-04: bf16 merge noise 0.03, step 0.06).
             self.writers[base_model] = (inplace_merged.MergedWriter.attach(llm, self._base_weights(base_model))
-                                        if checked else None)
+                                        if self.inplace else None)
         writer = self.writers[base_model]
         if writer is None or not writer.write(weights):
             full = merge.merged(self._base_weights(base_model), weights)
@@ -186,7 +189,7 @@ class VllmEngine(Engine):
                 llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(full.items())})
             if writer is not None:
                 writer.forget()  # the reload wrote every weight: the writer's record of them is stale
-        llm.reset_prefix_cache()  # cached prefixes hold KV computed with the old weights
+        self.epochs[base_model] = self.epochs.get(base_model, 0) + 1  # cached prefixes hold the old weights' KV
 
     def _plain_linear(self) -> Any:
         """CPU vLLM packs linear weights into kernel-private copies; merged mode writes them in place."""
@@ -259,7 +262,7 @@ class VllmEngine(Engine):
                         params.output_kind = RequestOutputKind.FINAL_ONLY
                         added.append(f"tq-{next(self._request_ids)}")
                         owners[added[-1]] = (key, k)
-                        engine.add_request(added[-1], {"prompt_token_ids": request.prompt_tokens}, params,
+                        engine.add_request(added[-1], self._prompt(call_key[0], request), params,
                                            lora_request=lora)
                 except (ValueError, _client_error()) as exc:
                     engine.abort_request(added)
@@ -284,6 +287,13 @@ class VllmEngine(Engine):
         except BaseException:
             engine.abort_request(list(owners))  # nothing of this run may outlive it
             raise
+
+    def _prompt(self, base_model: str, request: SampleRequest) -> dict[str, Any]:
+        prompt: dict[str, Any] = {"prompt_token_ids": request.prompt_tokens}
+        epoch = self.epochs.get(base_model, 0)
+        if epoch:  # merged weights of sync `epoch`: prefixes cached before it are not theirs
+            prompt["cache_salt"] = f"tinkerq-weights-{epoch}"
+        return prompt
 
     @staticmethod
     def _collect(owner: tuple[str, int], output: Any, waiting: dict, done: Done) -> None:

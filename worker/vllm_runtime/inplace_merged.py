@@ -5,9 +5,11 @@ Here the HF -> vLLM map is built once (q/k/v rows of qkv_proj, gate/up rows of g
 name), and a sync writes only the modules the adapter targets, one fused kernel each
 (`addmm(base, B, A, alpha=scale)` into the parameter's rows), plus a restore from the base of any module an
 earlier adapter on this base changed and this one does not. One synchronisation at the end; the engine then
-resets its prefix cache (see engine._reload), so no KV of the old weights is read again.
+salts later requests' prefix-cache keys with the new weights' epoch (see engine._reload), so no KV of the old
+weights is read again.
 
-Parameters keep their storage, so CUDA graphs captured over them read the new values. On CPU the engine is
+Parameters keep their storage, so CUDA graphs captured over them read the new values; vLLM 0.26's CUDA linear
+layers read `layer.weight` directly (UnquantizedLinearMethod.apply), so nothing else holds a copy. On CPU the engine is
 built with patches.cpu_plain_linear, since vLLM's CPU kernels would otherwise read packed private copies.
 Anything not understood (tensor parallelism, a shape mismatch, a missing name) makes `attach` or `write`
 return None / False, and the engine falls back to reload_weights.
@@ -60,11 +62,10 @@ class MergedWriter:
                 self.params[name].copy_(self.base[name])
             for name, (b, a) in pairs.items():
                 dst, base = self.params[name], self.base[name]
-                if b.dtype == a.dtype == base.dtype == dst.dtype and b.device == base.device == dst.device:
-                    torch.addmm(base, b, a, alpha=scale, out=dst)
-                else:  # the trainer's dtype or device differs: merge in float32, round once into the engine
-                    dst.copy_(torch.addmm(base.float(), b.float().to(base.device), a.float().to(base.device),
-                                          alpha=scale))
+                # One kernel per module: the matmul accumulates in float32 and rounds base + scale * B @ A once.
+                # A trainer's float32 adapter over a bfloat16 engine is cast first (a few MB), which is what
+                # serving it through vLLM's LoRA slots does too.
+                torch.addmm(base, b.to(dst.device, dst.dtype), a.to(dst.device, dst.dtype), alpha=scale, out=dst)
         self.dirty = set(pairs)
         if any(p.is_cuda for p in self.params.values()):
             torch.cuda.synchronize()  # the next engine step must not start on half-written weights
