@@ -172,10 +172,11 @@ class Dispatcher:
 
         def restored(items: list[tuple[str, SampleRequest]]) -> list[tuple[str, SampleRequest]]:
             """The items whose model is ready here (rebuilt from its journal if need be); the others answered."""
-            ready = []
+            ready, checked = [], {}  # one check per model, not per sample: a batch may hold hundreds
             for each_rid, each in items:
-                lost = None if each.base_model is not None or not self.config.durable \
-                    else self.restorer.ensure(each.model_id)
+                if each.base_model is None and self.config.durable and each.model_id not in checked:
+                    checked[each.model_id] = self.restorer.ensure(each.model_id)
+                lost = checked.get(each.model_id) if each.base_model is None else None
                 if lost is None:
                     ready.append((each_rid, each))
                 else:
