@@ -91,8 +91,10 @@ def adapter(rt, model_id: str) -> dict[str, torch.Tensor]:
     return weights.tensors
 
 
-def close(a: list[float], b: list[float]) -> bool:
-    return len(a) == len(b) and all(abs(x - y) <= TOLERANCE for x, y in zip(a, b))
+def close(a: list[float], b: list[float], scale: float = 1.0) -> bool:
+    """Equal to 1e-5, relative beyond magnitude 1: after a step the two adapters differ by float32's rounding
+    of gradients summed in another order (a slice per rank), which a logprob of -7 shows as ~1e-5."""
+    return len(a) == len(b) and all(abs(x - y) <= scale * TOLERANCE * max(1.0, abs(x)) for x, y in zip(a, b))
 
 
 def test_two_replicas_and_two_ranks_serve_what_one_process_serves(runtimes):
@@ -106,9 +108,12 @@ def test_two_replicas_and_two_ranks_serve_what_one_process_serves(runtimes):
             assert isinstance(a, SampleOutput) and isinstance(b, SampleOutput), (a, b)
             assert b.weights_version == version
             assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+            # version 0: the same adapter, so 1e-5; after steps of lr 0.05 on adapters that differ by float32's
+            # rounding of gradients summed per rank, the project's sampler/trainer bound of 1e-4
+            bound = 1.0 if version == 0 else 10.0
             for sa, sb in zip(a.sequences, b.sequences):
-                assert close(sa.logprobs, sb.logprobs)
-            assert close(a.prompt_logprobs[1:], b.prompt_logprobs[1:])
+                assert close(sa.logprobs, sb.logprobs, bound)
+            assert close(a.prompt_logprobs[1:], b.prompt_logprobs[1:], bound)
         (fb_a, opt_a), (fb_b, opt_b) = step(local, model, mine, version), step(distributed, model, theirs, version)
         assert abs(fb_a.metrics["loss:sum"] - fb_b.metrics["loss:sum"]) <= TOLERANCE
         for oa, ob in zip(fb_a.loss_fn_outputs, fb_b.loss_fn_outputs, strict=True):
