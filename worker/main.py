@@ -88,7 +88,6 @@ class WorkerProcess:
     def _signal(self, signum: int) -> None:
         log.warning("worker %s: got signal %d; stopping (at most %g s)", self.name, signum, self.config.stop_grace_s)
         self.watchdog.arm()
-        self.watchdog.start()
         self._stopping.set()
 
     def _leaving(self) -> str:

@@ -37,7 +37,6 @@ from rq import Queue, SimpleWorker
 from rq.exceptions import StopRequested
 from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job, JobStatus
-from rq.utils import now
 from rq.worker import WorkerStatus
 
 from tinkerq.keys import shard_of_queue
@@ -228,7 +227,6 @@ class ShardWorker(SimpleWorker):
     def _on_signal(self, signum: int, frame: object) -> None:
         if self.on_signal is not None:
             self.on_signal(signum)  # the worker process's stop: its watchdog bounds the rest
-        self._shutdown_requested_date = now()
         self.stop(f"signal {signum}")
         if self.get_state() != WorkerStatus.BUSY:
             raise StopRequested()  # out of a blocking wait for a job; a busy worker returns after the job

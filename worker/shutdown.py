@@ -10,7 +10,6 @@ leases lapse after their TTL, so the next owner's recovery serves them. A second
 
 import os
 import threading
-import time
 from collections.abc import Callable
 
 
@@ -19,31 +18,21 @@ class StopWatchdog:
         self.grace_s = grace_s
         self.describe = describe  # what the worker leaves behind, for the exit line; must not touch Redis
         self._armed = threading.Event()
-        self._at = 0.0
-        self._thread: threading.Thread | None = None
 
     @property
     def armed(self) -> bool:
         return self._armed.is_set()
 
-    def start(self) -> None:
-        """Start the watchdog thread (once); it waits for `arm` and then for the grace to run out."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._watch, name="tinkerq-stop-watchdog", daemon=True)
-            self._thread.start()
-
     def arm(self) -> None:
-        """A stop was asked for (called from the signal handler). The second call exits at once."""
+        """A stop was asked for (called from the signal handler): the grace starts. The second call exits at once."""
         if self._armed.is_set():
             _exit(f"second stop signal: exiting now ({self.describe()})")
-        self._at = time.monotonic()
         self._armed.set()
+        timer = threading.Timer(self.grace_s, self._expire)
+        timer.daemon = True  # dies with a clean exit: it fires only if the process has not exited by then
+        timer.start()
 
-    def _watch(self) -> None:
-        self._armed.wait()
-        time.sleep(max(0.0, self._at + self.grace_s - time.monotonic()))
-        # Still here: the main thread is stuck. Daemon threads die with a clean exit, so reaching this line means
-        # the process has not exited on its own within the grace.
+    def _expire(self) -> None:
         _exit(f"did not stop within the {self.grace_s:g} s grace; exiting ({self.describe()}); what it had in "
               "hand stays in Redis for the next owner")
 
