@@ -145,9 +145,12 @@ class Dispatcher:
         """Checkpoint every model this worker holds up to date on `shards` (a drain: the next owner loads them
         instead of replaying); how many were written."""
         written = 0
-        for model_id, length in self.restorer.current():
-            if keys.shard_of(model_id, self.config.num_shards) in shards and self.config.durable and \
-                    self.checkpointer.checkpoint(keys.shard_of(model_id, self.config.num_shards), model_id, length):
+        for model_id, length in self.restorer.current() if self.config.durable else []:
+            shard = keys.shard_of(model_id, self.config.num_shards)
+            if shard not in shards:
+                continue
+            self.fence.renew()  # the lease keeper has stopped: many checkpoints may outlast a lease otherwise
+            if self.checkpointer.checkpoint(shard, model_id, length):
                 written += 1
         return written
 
