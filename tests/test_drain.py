@@ -84,7 +84,7 @@ def test_drain_checkpoints_releases_and_the_standby_carries_on(r, redis_url, con
     assert [s.weights_version for s in samples] == list(range(1, steps + 1))
     assert [s.sequences[0].logprobs[0] for s in samples] == [-1.0 / (1 + step) for step in range(1, steps + 1)]
     journal = Journal(r)
-    assert journal.length(model) == 1 + 3 * steps and journal.checkpoint(model) is not None
+    assert journal.length(model) == 1 + 3 * steps and journal.checkpoint(model) is not None, first.output()
     assert "drained: 1 model(s) checkpointed" in first.output()
     extra = producer.submit(SampleRequest(model_id=model, prompt_tokens=[1], sampling_params=SamplingParams(max_tokens=1)))
     assert producer.wait(extra.request_id, 30).weights_version == steps

@@ -10,6 +10,7 @@ and the next step tries again.
 """
 
 import logging
+import secrets
 from pathlib import Path
 
 from worker.fencing import Fence, FencedOut
@@ -38,7 +39,9 @@ class Checkpointer:
         if previous is not None and self.journal.length(model_id) == length and not self.journal.listed(model_id):
             return previous  # durable as it is already
         try:
-            made = self.runtime.checkpoint(model_id, f"j{length}")
+            # a name of its own: a paused former owner writing the same position must not replace (nor, refused,
+            # delete) the file its successor recorded
+            made = self.runtime.checkpoint(model_id, f"j{length}-{secrets.token_hex(4)}")
         except Exception:  # noqa: BLE001 - a disk full or a bad path must not fail the step, whose result is stored
             log.exception("model %s: durable checkpoint failed; its journal keeps every entry", model_id)
             return None

@@ -49,7 +49,10 @@ class WorkerProcess:
         self.dispatcher = Dispatcher(connection, runtime, self.fence, self.config, limits)
         self.rq_worker: ShardWorker | None = None
         self._stopping = self.dispatcher.stopping
-        self.draining = threading.Event()  # `tinkerq drain` named this worker (worker/main.py's _keep_once)
+        self.draining = threading.Event()  # `tinkerq drain` named this worker (_keep_once)
+        # The lease keeper runs until the leases are about to be released: a draining worker keeps its shards
+        # while it finishes the job in hand and checkpoints its models, however long that takes.
+        self._keeper_stop = threading.Event()
         self.watchdog = StopWatchdog(self.config.stop_grace_s, self._leaving)
         self._incarnation = 0
 
@@ -99,6 +102,7 @@ class WorkerProcess:
 
     def _run(self, burst: bool, logging_level: str) -> None:
         self._stopping.clear()
+        self._keeper_stop.clear()
         keeper = threading.Thread(target=self._keep_leases, name="tinkerq-lease-keeper", daemon=True)
         keeper.start()
         outage: Exception | None = None
@@ -116,10 +120,13 @@ class WorkerProcess:
                     break
         finally:
             self._stopping.set()
-            keeper.join(timeout=5)
             try:
                 if self.draining.is_set():
                     self._make_durable()
+            finally:
+                self._keeper_stop.set()
+                keeper.join(timeout=5)
+            try:
                 self.fence.release()
                 if self.draining.is_set():
                     self.connection.delete(keys.drain_key(self.name))  # tells `tinkerq drain` it is done
@@ -203,7 +210,7 @@ class WorkerProcess:
 
     def _keep_leases(self) -> None:
         period = self.config.lease_ttl_ms / 3000
-        while not self._stopping.wait(period):
+        while not self._keeper_stop.wait(period) and not (self._stopping.is_set() and not self.draining.is_set()):
             try:
                 self._keep_once()
             except REDIS_DOWN as exc:  # the main loop waits for Redis; keep trying until the lease runs out

@@ -11,14 +11,17 @@ from worker.runtime.base import DomainError
 DEFAULT_MAX_BYTES = 8 << 30
 
 
-def write_archive(source_dir: Path, target: Path) -> Path:
-    """tar.gz `source_dir`'s files into `target`, via a temp file and rename, so readers never see half."""
+def write_archive(source_dir: Path, target: Path, compress: bool = True) -> Path:
+    """tar.gz `source_dir`'s files into `target`, via a temp file and rename, so readers never see half.
+    `compress` off: a plain tar (extract_archive reads both), for the periodic durable
+    checkpoints, whose float tensors gzip barely shrinks at several times the cost of writing them."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     os.close(fd)
     try:
         # Level 1: weights barely compress, and level 9 costs minutes on a GB-sized model.
-        with tarfile.open(tmp, "w:gz", compresslevel=1) as tar:
+        options = {"mode": "w:gz", "compresslevel": 1} if compress else {"mode": "w"}
+        with tarfile.open(tmp, **options) as tar:
             for path in sorted(source_dir.iterdir()):
                 tar.add(path, arcname=path.name, recursive=True)
         os.replace(tmp, target)
@@ -48,7 +51,7 @@ def extract_archive(archive: Path, target: Path, max_bytes: int = DEFAULT_MAX_BY
     if not archive.is_file():
         raise DomainError(404, "checkpoint_not_found", f"no checkpoint at {str(archive)!r}")
     try:
-        with tarfile.open(archive, "r:gz") as tar:
+        with tarfile.open(archive, "r:*") as tar:  # gzip or plain (write_archive's compress)
             members = tar.getmembers()
             total = 0
             for member in members:

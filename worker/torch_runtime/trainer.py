@@ -200,10 +200,11 @@ class TorchTrainer(Trainer):
             for version, weights in snapshots.items():
                 (out / "snapshots" / str(version)).mkdir(parents=True)
                 save_adapter(weights, out / "snapshots" / str(version), trained.base.path)
-            return str(write_archive(out, paths.checkpoint_file(self.root, model_id, "durable", name, ".tar.gz")))
+            target = paths.checkpoint_file(self.root, model_id, "durable", name, ".tar")
+            return str(write_archive(out, target, compress=False))
 
     def load_durable(self, model_id: str, path: str) -> dict[int, LoraWeights]:
-        archive = paths.resolve(self.root, path, ".tar.gz")
+        archive = paths.resolve(self.root, path, ".tar")
         self.remove_model(model_id)
         with tempfile.TemporaryDirectory() as tmp:
             directory = extract_archive(archive, Path(tmp) / "ckpt")
