@@ -68,7 +68,9 @@ def check(args, sync: str, graphs: bool) -> list[dict]:
                            checkpoint_root=tempfile.mkdtemp(prefix="tinkerq-sync-check-"))
     rt = build_runtime(config)
     model = "check:train:0"
-    rt.execute(CreateModelRequest(model_id=model, base_model=args.model, lora=LoraConfig(rank=8, seed=0)))
+    unembed = sync == "lora"  # merged mode refuses an lm_head adapter on a tied base (the engine says why)
+    rt.execute(CreateModelRequest(model_id=model, base_model=args.model,
+                                  lora=LoraConfig(rank=8, seed=0, train_unembed=unembed)))
     rows = []
     try:
         for version in range(1, args.steps + 1):
