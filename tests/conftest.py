@@ -13,7 +13,7 @@ import pytest
 from redis import Redis
 
 from tinkerq.config import QueueConfig, RuntimeConfig
-from tinkerq.redis_server import EmbeddedRedis
+from commands.redis_server import EmbeddedRedis
 from worker.main import WorkerProcess
 from worker.runtime.factory import build_runtime
 
@@ -63,7 +63,7 @@ class WorkerProc:
         path = [str(ROOT), str(ROOT / "tests"), *filter(None, [env.get("PYTHONPATH")])]  # env may add to it
         full_env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(path)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tinkerq.cli", "worker", "--redis-url", redis_url, "--log-level", "WARNING", *args],
+            [sys.executable, "-m", "commands.cli", "worker", "--redis-url", redis_url, "--log-level", "WARNING", *args],
             env=full_env, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
         )
 
@@ -85,13 +85,13 @@ class ApiProc(WorkerProc):
     """`tinkerq api` on a free port, as users run it."""
 
     def __init__(self, redis_url: str, env: dict[str, str], args: tuple[str, ...] = ()) -> None:
-        from tinkerq.redis_server import free_port
+        from commands.redis_server import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(Path(env.get("TINKERQ_CHECKPOINT_ROOT", "/tmp")) / f"api-{time.time_ns()}.log", "w+")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tinkerq.cli", "api", "--redis-url", redis_url, "--port", str(self.port),
+            [sys.executable, "-m", "commands.cli", "api", "--redis-url", redis_url, "--port", str(self.port),
              "--log-level", "warning", *args],
             env={**os.environ, **env, "PYTHONPATH": str(ROOT)}, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
         )

@@ -9,7 +9,7 @@ import pytest
 import typer.main
 import yaml
 
-from tinkerq.cli import app
+from commands.cli import app
 from worker.runtime.factory import RUNTIMES
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,7 +7,7 @@ from tinkerq.catalog import BaseModelCatalog
 from tinkerq.config import RuntimeConfig
 from worker.runtime.base import Engine
 from worker.runtime.runtime import Runtime
-from worker.torch_runtime.bases import BaseModels
+from worker.torch_runtime.base_models import BaseModels
 from worker.torch_runtime.engine import TorchEngine
 from worker.torch_runtime.trainer import TorchTrainer
 

@@ -20,13 +20,13 @@ from schemas import (
     WeightSyncRequest,
 )
 from tinkerq.config import QueueConfig
-from tinkerq.redis_server import EmbeddedRedis
+from commands.redis_server import EmbeddedRedis
 
 
 def start_worker(redis_url: str, runtime: str, workdir: Path) -> subprocess.Popen:
     log = open(workdir / "worker.log", "w")
     env = {**os.environ, "TINKERQ_RUNTIME": runtime, "TINKERQ_CHECKPOINT_ROOT": str(workdir / "checkpoints")}
-    return subprocess.Popen([sys.executable, "-m", "tinkerq.cli", "worker", "--redis-url", redis_url],
+    return subprocess.Popen([sys.executable, "-m", "commands.cli", "worker", "--redis-url", redis_url],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -75,7 +75,7 @@ def run(runtime: str, steps: int, workdir: Path, model: str = "tinyq-micro") -> 
         if runtime == "reference":
             ordering_demo(producer, steps)
         else:
-            from tinkerq.rl_demo import rl_loop
+            from commands.rl_demo import rl_loop
 
             rl_loop(producer, model, steps, workdir)
         print(f"done in {time.monotonic() - started:.1f}s")

@@ -75,7 +75,7 @@ def demo(
     """Start a worker (and a Redis, if REDIS_URL is unset) and run a short loop through the queue."""
     from pathlib import Path
 
-    from tinkerq.demo import run
+    from commands.demo import run
 
     run(runtime, steps, Path(workdir), model)
 
