@@ -3,6 +3,8 @@
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from schemas import Limits
+
 
 class QueueConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TINKERQ_", frozen=True)
@@ -67,3 +69,9 @@ class RuntimeConfig(BaseSettings):
     vllm_enforce_eager: bool | None = None
     # Test aid for the reference engine: simulated generation time per token.
     reference_delay_per_token_s: float = Field(0.0, ge=0.0)
+
+
+class LimitsConfig(BaseSettings, Limits):
+    """The deployment's `Limits`, from TINKERQ_MAX_* environment variables (schemas/ reads no environment)."""
+
+    model_config = SettingsConfigDict(env_prefix="TINKERQ_", frozen=True)
