@@ -65,5 +65,14 @@ class RuntimeConfig(BaseSettings):
     # None: CUDA graphs on a GPU (3.7-9x the tokens/s of eager on the H200; capturing them slows start-up),
     # eager on the CPU.
     vllm_enforce_eager: bool | None = None
+    # One worker across many devices, on Ray (worker/ray_runtime): the bundles of its placement group (one GPU
+    # each where the cluster has GPUs, else one CPU each); 0, with no ray_address, is the in-process runtime.
+    ray_gpus: int = Field(0, ge=0)
+    # Join this Ray cluster ("auto": the one on this host; "ray://head:10001"); empty: start a local one.
+    ray_address: str = ""
+    ray_engine_replicas: int = Field(0, ge=0, description="0: one per bundle")
+    ray_trainer_ranks: int = Field(0, ge=0, description="0: one per bundle")
+    ray_max_restarts: int = Field(16, ge=0, description="times Ray restarts a dead engine replica")
+    ray_num_cpus: int = Field(0, ge=0, description="CPUs of a local Ray cluster; 0: the host's (at least the bundles)")
     # Test aid for the reference engine: simulated generation time per token.
     reference_delay_per_token_s: float = Field(0.0, ge=0.0)
