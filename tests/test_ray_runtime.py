@@ -1,6 +1,7 @@
 """The Ray runtime (2 engine replicas, 2 data-parallel trainer ranks on a real local Ray cluster) serves what
-the in-process runtime serves: the same tokens, logprobs and losses to 1e-5 in float32, the same adapter after
-optim_step; a replica killed mid-batch fails only its own requests, retryably, and comes back re-synced."""
+the in-process runtime serves: the same tokens, sampled logprobs to 1e-5 in float32, and from the trainer the
+very same logprobs, losses and adapters (data parallelism runs the in-process trainer's own micro-batches and
+sums their gradients in its order: worker/ray_runtime/data_parallel.py)."""
 
 import os
 import signal
@@ -31,6 +32,8 @@ from worker.runtime.factory import build_runtime  # noqa: E402
 
 BASE = "tinyq-micro"
 TOLERANCE = 1e-5
+# 20 tokens a pass: the 8 datums of a step make 4 micro-batches, 2 per rank (a run of several on each rank)
+MICRO_BATCH_TOKENS = 20
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23], [30, 31]]
 
 
@@ -43,17 +46,22 @@ def ray_cluster():
 
 
 def config(root, **extra) -> RuntimeConfig:
+    # One torch thread everywhere: CPU kernels split their sums over threads, so the in-process runtime and the
+    # actors compute bitwise alike only at equal thread counts (Ray gives each actor 1).
     return RuntimeConfig(runtime=extra.pop("runtime", "torch"), engine="torch", device="cpu", dtype="float32",
-                         checkpoint_root=str(root), max_snapshots=3, **extra)
+                         checkpoint_root=str(root), max_snapshots=3, train_micro_batch_tokens=MICRO_BATCH_TOKENS,
+                         torch_threads=1, **extra)
 
 
 @pytest.fixture(scope="module")
 def runtimes(ray_cluster, tmp_path_factory):
     """The in-process runtime and the Ray one, side by side."""
+    threads = torch.get_num_threads()  # the in-process runtime sets this process's; given back after
     local = build_runtime(config(tmp_path_factory.mktemp("local")))
     distributed = build_runtime(config(tmp_path_factory.mktemp("ray"), runtime="auto", ray_gpus=2))
     yield local, distributed
     distributed.engine.close()
+    torch.set_num_threads(threads)
 
 
 def create(rt, model_id: str) -> None:
@@ -91,10 +99,16 @@ def adapter(rt, model_id: str) -> dict[str, torch.Tensor]:
     return weights.tensors
 
 
-def close(a: list[float], b: list[float], scale: float = 1.0) -> bool:
-    """Equal to 1e-5, relative beyond magnitude 1: after a step the two adapters differ by float32's rounding
-    of gradients summed in another order (a slice per rank), which a logprob of -7 shows as ~1e-5."""
-    return len(a) == len(b) and all(abs(x - y) <= scale * TOLERANCE * max(1.0, abs(x)) for x, y in zip(a, b))
+def close(a: list[float], b: list[float]) -> bool:
+    """Equal to 1e-5, relative beyond magnitude 1. For samples only: the PyTorch engine's logprobs depend on which
+    requests share its batch (padding changes the shapes, so the kernels' blocking and sum order), and a replica
+    serves half the batch the in-process engine does; that moves a logprob of -7 by a few 1e-6, the same on equal
+    weights (version 0) as after steps, since the trainer's adapters are equal bit for bit."""
+    return len(a) == len(b) and all(abs(x - y) <= TOLERANCE * max(1.0, abs(x)) for x, y in zip(a, b))
+
+
+def same_adapter(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_two_replicas_and_two_ranks_serve_what_one_process_serves(runtimes):
@@ -108,22 +122,15 @@ def test_two_replicas_and_two_ranks_serve_what_one_process_serves(runtimes):
             assert isinstance(a, SampleOutput) and isinstance(b, SampleOutput), (a, b)
             assert b.weights_version == version
             assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
-            # version 0: the same adapter, so 1e-5; after steps of lr 0.05 on adapters that differ by float32's
-            # rounding of gradients summed per rank, the project's sampler/trainer bound of 1e-4
-            bound = 1.0 if version == 0 else 10.0
             for sa, sb in zip(a.sequences, b.sequences):
-                assert close(sa.logprobs, sb.logprobs, bound)
-            assert close(a.prompt_logprobs[1:], b.prompt_logprobs[1:], bound)
+                assert close(sa.logprobs, sb.logprobs)
+            assert close(a.prompt_logprobs[1:], b.prompt_logprobs[1:])
         (fb_a, opt_a), (fb_b, opt_b) = step(local, model, mine, version), step(distributed, model, theirs, version)
-        assert abs(fb_a.metrics["loss:sum"] - fb_b.metrics["loss:sum"]) <= TOLERANCE
-        for oa, ob in zip(fb_a.loss_fn_outputs, fb_b.loss_fn_outputs, strict=True):
-            assert close(oa["logprobs"], ob["logprobs"]) and close(oa["elementwise_loss"], ob["elementwise_loss"])
-        # a norm of ~30 summed in another order: equal to float32's resolution there, so relative
-        assert abs(opt_a.metrics["grad_norm:mean"] - opt_b.metrics["grad_norm:mean"]) <= TOLERANCE * opt_a.metrics[
-            "grad_norm:mean"]
-        ta, tb = adapter(local, model), adapter(distributed, model)
-        assert ta.keys() == tb.keys()
-        assert max(float((ta[k] - tb[k]).abs().max()) for k in ta) <= TOLERANCE
+        # the trainer: the same float32 operations on the same values in the same order, so equal exactly
+        assert fb_a.metrics == fb_b.metrics
+        assert fb_a.loss_fn_outputs == fb_b.loss_fn_outputs
+        assert opt_a.metrics == opt_b.metrics
+        assert same_adapter(adapter(local, model), adapter(distributed, model))
     assert distributed.engine.live_versions(model) == [1, 2, 3]
 
 
@@ -152,8 +159,7 @@ def test_a_failing_slice_leaves_no_gradient_on_any_rank(runtimes):
         assert getattr(caught.value, "status", None) == 400
         rt.execute(ForwardBackwardRequest(model_id=model, data=good, loss_fn="importance_sampling"))
         rt.execute(OptimStepRequest(model_id=model, adam_params=AdamParams(learning_rate=0.05)))
-    ta, tb = adapter(local, model), adapter(distributed, model)
-    assert max(float((ta[k] - tb[k]).abs().max()) for k in ta) <= TOLERANCE
+    assert same_adapter(adapter(local, model), adapter(distributed, model))
 
 
 def test_forward_only_equals_in_process(runtimes):
@@ -163,5 +169,36 @@ def test_forward_only_equals_in_process(runtimes):
         create(rt, model)
     data = [datum(p, [40, 41, 42], 1.0) for p in PROMPTS]
     a, b = (rt.execute(ForwardRequest(model_id=model, data=data, loss_fn="importance_sampling")) for rt in runtimes)
-    assert abs(a.metrics["loss:sum"] - b.metrics["loss:sum"]) <= TOLERANCE
-    assert all(close(x["logprobs"], y["logprobs"]) for x, y in zip(a.loss_fn_outputs, b.loss_fn_outputs, strict=True))
+    assert a == b
+
+
+def test_a_step_spreads_over_both_ranks():
+    """The data of a step is cut into the in-process trainer's micro-batches, and each rank gets a run of them."""
+    from worker.ray_runtime.data_parallel import assignment
+    from worker.torch_runtime.packing import plan
+
+    data = [datum(p, [40, 41, 42, 43, 44, 45], 1.0) for p in PROMPTS for _ in range(2)]  # 11, 11, 8, 8, ... tokens
+    runs = assignment(ForwardBackwardRequest(model_id="m", data=data, loss_fn="importance_sampling"),
+                      MICRO_BATCH_TOKENS, 2)
+    passes = plan([len(d.model_input) for d in data], MICRO_BATCH_TOKENS)
+    assert [span for run in runs for span in run] == passes == [(0, 1), (1, 3), (3, 5), (5, 7), (7, 8)]
+    assert [sum(len(d.model_input) for a, b in run for d in data[a:b]) for run in runs] == [30, 40]
+
+
+def test_remove_model_drops_it_on_every_rank_and_it_can_be_built_again(runtimes):
+    """What durable restore does to a stale copy (Runtime.forget, then a replay of its journal)."""
+    local, distributed = runtimes
+    model = "removed:train:0"
+    create(distributed, model)
+    data = [datum(p, [40, 41, 42], 1.0) for p in PROMPTS]
+    distributed.execute(ForwardBackwardRequest(model_id=model, data=data, loss_fn="importance_sampling"))
+    distributed.forget(model)
+    assert not distributed.trainer.has_model(model)
+    assert ray.get([rank.__ray_call__.remote(lambda self: self.trainer.has_model(model))
+                    for rank in distributed.trainer.ranks]) == [False, False]
+    assert distributed.engine.live_versions(model) == []
+    for rt in runtimes:  # built again from scratch: no gradient of the first life is left on any rank
+        create(rt, model)
+        rt.execute(ForwardBackwardRequest(model_id=model, data=data, loss_fn="importance_sampling"))
+        rt.execute(OptimStepRequest(model_id=model, adam_params=AdamParams(learning_rate=0.05)))
+    assert same_adapter(adapter(local, model), adapter(distributed, model))

@@ -26,8 +26,9 @@ _END = object()
 class EngineReplica:
     def __init__(self, config: RuntimeConfig) -> None:
         from worker.torch_runtime.bases import BaseModels
-        from worker.torch_runtime.factory import make_engine
+        from worker.torch_runtime.factory import make_engine, set_threads
 
+        set_threads(config)
         self.engine = make_engine(config, BaseModels(config.device, config.dtype))
         self.incarnation = uuid.uuid4().hex
 

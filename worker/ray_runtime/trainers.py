@@ -1,8 +1,10 @@
 """The Trainer the Runtime sees: data-parallel trainer ranks (Ray actors) acting as one.
 
-Every rank holds every model (same initialisation, same steps); a forward_backward is split over them by
-tokens, and its gradients are summed at optim_step. Exported weights stay in Ray's object store: what
-export_weights returns is a reference, handed to the engine replicas without passing through this process."""
+Every rank holds every model (same initialisation, same steps); a forward_backward is split over them along
+the in-process trainer's micro-batches, and its gradients are summed over the ranks once every rank's share
+succeeded (data_parallel.py says why the result is the in-process one exactly). Exported weights stay in Ray's
+object store: what export_weights returns is a reference, handed to the engine replicas without passing through
+this process."""
 
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ from schemas import (
     OptimStepRequest,
 )
 from worker.ray_runtime.boundary import Failed, unwrap
-from worker.ray_runtime.data_parallel import merged, slices
+from worker.ray_runtime.data_parallel import assignment, merged, part
 from worker.runtime.base import Trainer
 
 CALL_TIMEOUT_S = 1800.0  # one training call; longer is an infrastructure fault (the consumer's RQ job fails)
@@ -42,6 +44,8 @@ class RayTrainer(Trainer):
         self.ranks = ranks
         self.root = checkpoint_root.resolve()
         self._bases: dict[str, str] = {}
+        # the ranks' pass budget: a request is split along the micro-batches the in-process trainer would make
+        self.micro_batch_tokens: int = _all([ranks[0].micro_batch_tokens.remote()])[0]
 
     def has_model(self, model_id: str) -> bool:
         return model_id in self._bases
@@ -56,20 +60,27 @@ class RayTrainer(Trainer):
         return outputs[0]
 
     def forward(self, request: ForwardRequest, backward: bool) -> ForwardBackwardOutput:
-        parts = [(rank, request.model_copy(update={"data": request.data[a:b]}), b - a)
-                 for rank, (a, b) in zip(self.ranks, slices(request, len(self.ranks))) if b > a]
-        outputs = _all([rank.forward.remote(part, backward) for rank, part, _ in parts])
+        runs = assignment(request, self.micro_batch_tokens, len(self.ranks))
+        outputs = _all([rank.forward.remote([part(request, span) for span in run], backward)
+                        for rank, run in zip(self.ranks, runs)])
         if any(isinstance(out, Failed) for out in outputs):
-            if backward:  # the ranks whose slice went through take back its gradients, as one trainer would
-                _all([rank.rollback.remote(request.model_id)
-                      for (rank, _, _), out in zip(parts, outputs) if not isinstance(out, Failed)])
+            if backward:  # nothing was added to any rank's gradients yet: drop what the others computed
+                _all([rank.discard.remote(request.model_id) for rank in self.ranks])
             _first_failure(outputs)
-        return merged(outputs, [n for _, _, n in parts])
+        if backward:
+            _all([rank.commit.remote(request.model_id, [len(run) for run in runs]) for rank in self.ranks])
+        return merged([out for rank_outputs in outputs for out in rank_outputs],
+                      [b - a for run in runs for a, b in run])
 
     def optim_step(self, request: OptimStepRequest) -> OptimStepOutput:
         outputs = _all([rank.optim_step.remote(request) for rank in self.ranks])
         _first_failure(outputs)
         return outputs[0]
+
+    def remove_model(self, model_id: str) -> None:
+        """Drop the model's adapter, optimizer and gradients on every rank (durable restore rebuilds it)."""
+        _all([rank.remove_model.remote(model_id) for rank in self.ranks])
+        self._bases.pop(model_id, None)
 
     def export_weights(self, model_id: str) -> ray.ObjectRef:
         return self.ranks[0].export_weights.remote(model_id)  # a reference, owned by this process
