@@ -3,20 +3,15 @@ the in-process runtime serves: the same tokens, sampled logprobs to 1e-5 in floa
 very same logprobs, losses and adapters (data parallelism runs the in-process trainer's own micro-batches and
 sums their gradients in its order: worker/ray_runtime/data_parallel.py)."""
 
-import os
-import signal
-import time
 
 import pytest
+import ray  # the `ray` extra is part of `make test`: a missing one fails here, never skips
+import torch
 
-ray = pytest.importorskip("ray")
-torch = pytest.importorskip("torch")
-
-from schemas import (  # noqa: E402
+from schemas import (
     AdamParams,
     CreateModelRequest,
     Datum,
-    ErrorResponse,
     ForwardBackwardRequest,
     ForwardRequest,
     LoraConfig,
@@ -26,9 +21,9 @@ from schemas import (  # noqa: E402
     SamplingParams,
     WeightSyncRequest,
 )
-from tinkerq.config import RuntimeConfig  # noqa: E402
-from worker.ray_runtime import cluster  # noqa: E402
-from worker.runtime.factory import build_runtime  # noqa: E402
+from tinkerq.config import RuntimeConfig
+from worker.ray_runtime import cluster
+from worker.runtime.factory import build_runtime
 
 BASE = "tinyq-micro"
 TOLERANCE = 1e-5
@@ -37,9 +32,10 @@ MICRO_BATCH_TOKENS = 20
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23], [30, 31]]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster():
-    """One local Ray cluster for the session (starting one costs seconds), shut down in bounded time."""
+    """One local Ray cluster for the module (starting one costs seconds), shut down in bounded time (another
+    module joins a cluster of its own)."""
     ray.init(num_cpus=4, include_dashboard=False, object_store_memory=256 * 2**20, log_to_driver=False)
     yield
     cluster.disconnect()

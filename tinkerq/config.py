@@ -77,6 +77,9 @@ class RuntimeConfig(BaseSettings):
     ray_gpus: int = Field(0, ge=0)
     # Join this Ray cluster ("auto": the one on this host; "ray://head:10001"); empty: start a local one.
     ray_address: str = ""
+    # The Ray namespace of this worker's actors, named engine-<i> and trainer-<i> in it (ray.get_actor finds
+    # them: operators, the fault tests); empty: tinkerq-<host>-<pid>, one per worker process.
+    ray_namespace: str = ""
     ray_engine_replicas: int = Field(0, ge=0, description="0: one per bundle")
     ray_trainer_ranks: int = Field(0, ge=0, description="0: one per bundle")
     ray_max_restarts: int = Field(16, ge=0, description="times Ray restarts a dead engine replica")

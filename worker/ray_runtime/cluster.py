@@ -2,6 +2,7 @@
 
 import logging
 import os
+import socket
 import threading
 from dataclasses import dataclass
 
@@ -13,17 +14,21 @@ READY_TIMEOUT_S = 300.0  # a placement group that cannot be placed by then is an
 SHUTDOWN_TIMEOUT_S = 30.0
 
 
-def connect(address: str | None, cpus: int | None = None) -> None:
-    """Join the cluster at `address` ("auto": the one on this host), or start a local one of `cpus` CPUs.
+def connect(address: str | None, cpus: int | None = None, namespace: str = "") -> bool:
+    """Join the cluster at `address` ("auto": the one on this host), or start a local one of `cpus` CPUs; False
+    if this process was connected already (whoever connected it disconnects it).
     The worker's TINKERQ_* settings and PYTHONPATH go to every actor, so they build what the consumer would."""
     if ray.is_initialized():
-        return
+        return False
+    namespace = namespace or f"tinkerq-{socket.gethostname()}-{os.getpid()}"
     env = {k: v for k, v in os.environ.items() if k.startswith("TINKERQ_") or k in ("PYTHONPATH", "HF_HOME")}
     runtime_env = {"env_vars": env}
     if address:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        ray.init(address=address, namespace=namespace, runtime_env=runtime_env, log_to_driver=True)
     else:
-        ray.init(num_cpus=cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=True)
+        ray.init(num_cpus=cpus, namespace=namespace, include_dashboard=False, runtime_env=runtime_env,
+                 log_to_driver=True)
+    return True
 
 
 def disconnect() -> None:

@@ -27,17 +27,20 @@ def make_runtime(config: RuntimeConfig) -> Runtime:
     bundles = max(config.ray_gpus, 1)
     engines = config.ray_engine_replicas or bundles
     ranks = config.ray_trainer_ranks or bundles
-    cluster.connect(config.ray_address or None, cpus=config.ray_num_cpus or max(bundles, os.cpu_count() or 1))
+    connected = cluster.connect(config.ray_address or None,
+                                cpus=config.ray_num_cpus or max(bundles, os.cpu_count() or 1),
+                                namespace=config.ray_namespace)
     placement = cluster.place(bundles)
     # Each bundle hosts an engine replica and a trainer rank, so each gets a share of its device (on a GPU,
     # vLLM's own gpu_memory_utilization decides how much memory it takes).
     share = 0.5
-    replicas = [ray.remote(EngineReplica).options(**placement.options(i % bundles, share),
+    replicas = [ray.remote(EngineReplica).options(**placement.options(i % bundles, share), name=f"engine-{i}",
                                                   max_restarts=config.ray_max_restarts, max_task_retries=0)
                 .remote(config) for i in range(engines)]
     # A restarted rank could not rejoin the running group: a trainer fault fails its request and needs a
     # worker restart (the consumer's recovery replays what was acknowledged).
-    trainers = [ray.remote(TrainerRank).options(**placement.options(i % bundles, share), max_restarts=0)
+    trainers = [ray.remote(TrainerRank).options(**placement.options(i % bundles, share), name=f"trainer-{i}",
+                                                max_restarts=0)
                 .remote(config, i, ranks) for i in range(ranks)]
     host, port = ray.get(trainers[0].address.remote(), timeout=CALL_TIMEOUT_S)
     ray.get([t.join.remote(host, port) for t in trainers], timeout=CALL_TIMEOUT_S)
@@ -48,6 +51,8 @@ def make_runtime(config: RuntimeConfig) -> Runtime:
         for trainer in trainers:
             ray.kill(trainer, no_restart=True)
         placement.remove()
+        if connected:
+            cluster.disconnect()
 
     engine = RayEngine(replicas, config.max_snapshots, on_close=close)
     return Runtime(RayTrainer(trainers, Path(config.checkpoint_root)), engine)
