@@ -138,8 +138,10 @@ def ray_worker(head, connection, queue_config, redis_url, tmp_path_factory):
     try:
         yield worker
     finally:
-        worker.kill(signal.SIGTERM)  # stops within its grace (TINKERQ_STOP_GRACE_S), closing its actors
-        worker.kill(signal.SIGKILL)
+        try:
+            worker.kill(signal.SIGTERM)  # stops within its grace (TINKERQ_STOP_GRACE_S), closing its actors
+        finally:
+            worker.kill(signal.SIGKILL)
 
 
 def datum(prompt: list[int], completion: list[int], advantage: float) -> Datum:

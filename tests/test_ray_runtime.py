@@ -97,9 +97,10 @@ def adapter(rt, model_id: str) -> dict[str, torch.Tensor]:
 
 def close(a: list[float], b: list[float]) -> bool:
     """Equal to 1e-5, relative beyond magnitude 1. For samples only: the PyTorch engine's logprobs depend on which
-    requests share its batch (padding changes the shapes, so the kernels' blocking and sum order), and a replica
-    serves half the batch the in-process engine does; that moves a logprob of -7 by a few 1e-6, the same on equal
-    weights (version 0) as after steps, since the trainer's adapters are equal bit for bit."""
+    requests share its batch (the batch's shapes change the kernels' float32 sums; in one process too: the same
+    requests served as two half batches move by ~4e-6), and a replica serves part of the batch the in-process
+    engine does; the same on equal weights (version 0) as after steps, since the trainers' adapters are equal
+    bit for bit."""
     return len(a) == len(b) and all(abs(x - y) <= TOLERANCE * max(1.0, abs(x)) for x, y in zip(a, b))
 
 
