@@ -7,7 +7,7 @@ from pathlib import Path
 from tinkerq.config import RuntimeConfig
 from worker.runtime.runtime import Runtime
 
-RUNTIMES = ("auto", "torch", "reference")
+RUNTIMES = ("auto", "torch", "reference", "ray")
 TORCH_PACKAGES = ("torch", "transformers", "peft")
 
 
@@ -15,6 +15,8 @@ def runtime_name(config: RuntimeConfig) -> str:
     """`auto` is the torch runtime; without its packages that is an error, not a silent stand-in model."""
     if config.runtime != "auto":
         return config.runtime
+    if config.ray_gpus > 0 or config.ray_address:
+        return "ray"
     missing = [name for name in TORCH_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:
         raise RuntimeError(f"the torch runtime needs {', '.join(missing)} (pip install 'tinkerq[torch]'); "
@@ -35,6 +37,10 @@ def build_runtime(config: RuntimeConfig | None = None) -> Runtime:
         from worker.torch_runtime.factory import make_runtime
 
         return make_runtime(config)
+    if name == "ray":
+        from worker.ray_runtime.factory import make_runtime as make_ray_runtime
+
+        return make_ray_runtime(config)
     if ":" in name:
         module, _, factory = name.partition(":")
         return getattr(importlib.import_module(module), factory)(config)

@@ -1,5 +1,6 @@
 """Assemble the torch runtime from settings: the torch trainer beside a vLLM or a PyTorch engine."""
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -9,6 +10,7 @@ from worker.runtime.base import Engine
 from worker.runtime.runtime import Runtime
 from worker.torch_runtime.base_models import BaseModels
 from worker.torch_runtime.engine import TorchEngine
+from worker.torch_runtime.packed_forward import TrainOptions
 from worker.torch_runtime.trainer import TorchTrainer
 
 
@@ -26,6 +28,23 @@ def make_engine(config: RuntimeConfig, bases: BaseModels) -> Engine:
     return TorchEngine(bases, config.max_snapshots)
 
 
+def set_threads(config: RuntimeConfig) -> None:
+    """torch's intra-op threads for this process, where the settings name a count."""
+    if config.torch_threads:
+        import torch
+
+        torch.set_num_threads(config.torch_threads)
+
+
+def make_trainer(config: RuntimeConfig, bases: BaseModels) -> TorchTrainer:
+    """The torch trainer (in process, or one data-parallel rank of the Ray runtime)."""
+    options = TrainOptions.for_device(bases.device)
+    if config.train_micro_batch_tokens:
+        options = dataclasses.replace(options, micro_batch_tokens=config.train_micro_batch_tokens)
+    return TorchTrainer(bases, Path(config.checkpoint_root), options)
+
+
 def make_runtime(config: RuntimeConfig) -> Runtime:
+    set_threads(config)
     bases = BaseModels(config.device, config.dtype, BaseModelCatalog.from_env())
-    return Runtime(TorchTrainer(bases, Path(config.checkpoint_root)), make_engine(config, bases))
+    return Runtime(make_trainer(config, bases), make_engine(config, bases))
