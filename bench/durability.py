@@ -1,8 +1,10 @@
-"""What durability costs: the worker's time per training op with the journal on (TINKERQ_DURABLE=1, the
-default) and off, interleaved in one run on one runtime, and what a takeover costs: rebuilding a model from its
-journal on a fresh runtime, against the number of steps journaled.
+"""What durability costs: the worker's time per training op with durability off, with the journal alone
+(TINKERQ_DURABLE_EVERY=0) and with the journal plus a durable checkpoint every `--every` optim_steps (the
+default), interleaved in one run on one runtime; and what a takeover costs: rebuilding a model on a fresh runtime
+from its whole journal, and from its last checkpoint plus the journal's tail.
 
-    python bench/durability.py [--base tinyq-micro] [--steps 20] [--rounds 4] [--batch 8] [--device cpu|cuda]
+    python bench/durability.py [--base tinyq-micro] [--steps 20] [--every 10] [--rounds 3] [--batch 8] \
+        [--device cpu|cuda]
 
 The time per op is the dispatcher's (restore check, the op itself, the fenced result write with or without the
 journal entry), measured inside an in-process worker; REDIS_URL, or a private redis-server is started.
@@ -67,8 +69,8 @@ def timed(worker: WorkerProcess, times: dict[str, list[float]]) -> None:
     worker.dispatcher.sequencer.execute = each
 
 
-def run(r: Redis, runtime, durable: bool, model_id: str, times: dict) -> None:
-    config = QueueConfig(num_shards=1, durable=durable)
+def run(r: Redis, runtime, durable: bool, model_id: str, times: dict, every: int = 0) -> None:
+    config = QueueConfig(num_shards=1, durable=durable, durable_every=every)
     producer = Producer(r, config)
     worker = WorkerProcess(r, runtime, config)
     timed(worker, times)
@@ -92,7 +94,8 @@ def write_costs(r: Redis, request, n: int = 300) -> dict[str, float]:
         fence.put_result(0, f"plain-{i}", '{"type": "forward_backward"}', 60, "done")
         t1 = time.perf_counter()
         fence.put_result_journaled(0, f"journaled-{i}", '{"type": "forward_backward"}', 60, "done",
-                                   keys.journal_key("w:train:0"), entry, keys.last_seq_key("w:train:0"), i)
+                                   keys.journal_key("w:train:0"), entry, keys.last_seq_key("w:train:0"), i,
+                                   keys.journal_base_key("w:train:0"))
         t2 = time.perf_counter()
         plain.append(t1 - t0)
         journaled.append(t2 - t1)
@@ -109,37 +112,67 @@ def main() -> None:
         r.flushall()
         rc = RuntimeConfig(runtime="torch", checkpoint_root=tmp, device=ARGS.device, engine="torch")
         runtime = build_runtime(rc)
-        times = {True: {}, False: {}}
-        run(r, runtime, True, "warmup:train:0", {})
-        for i in range(ARGS.rounds):  # interleaved: drift on a shared machine hits both alike
-            for durable in (i % 2 == 0, i % 2 == 1):
-                run(r, runtime, durable, f"m{i}{int(durable)}:train:0", times[durable])
-        journal_bytes = sum(len(e) for e in r.lrange(Journal.key("m01:train:0"), 0, -1))
+        arms = {"off": (False, 0), "journal": (True, 0), "checkpoints": (True, ARGS.every)}
+        times: dict[str, dict] = {arm: {} for arm in arms}
+        run(r, runtime, True, "warmup:train:0", {}, ARGS.every)
+        for i in range(ARGS.rounds):  # interleaved, each round in another order: drift hits every arm alike
+            order = list(arms)[i % 3:] + list(arms)[:i % 3]
+            for arm in order:
+                run(r, runtime, arms[arm][0], f"m{i}-{arm}:train:0", times[arm], arms[arm][1])
+        journal_bytes = sum(len(e) for e in r.lrange(Journal.key("m0-journal:train:0"), 0, -1))
+        tail = Journal(r).listed("m0-checkpoints:train:0")
         writes = write_costs(r, ops("w:train:0", 1, ARGS.batch, ARGS.length, ARGS.rank)[1])
-        restores = []
-        for _ in range(3):
-            fresh = build_runtime(rc)
+        checkpoint_s = []  # one durable checkpoint alone (archive written and renamed), on the trained model
+        for i in range(5):
             t0 = time.perf_counter()
-            assert Restorer(r, fresh, Journal(r)).ensure("m01:train:0") is None
-            restores.append(time.perf_counter() - t0)
+            made = runtime.checkpoint("m0-journal:train:0", f"bench{i}")
+            checkpoint_s.append(time.perf_counter() - t0)
+            Path(made.path).unlink()
+        archive_bytes = os.path.getsize(Journal(r).checkpoint("m0-checkpoints:train:0").path)
+        restores: dict[str, list[float]] = {"journal": [], "checkpoints": []}
+        for _ in range(3):
+            for arm in restores:
+                fresh = build_runtime(rc)
+                t0 = time.perf_counter()
+                assert Restorer(r, fresh, Journal(r)).ensure(f"m0-{arm}:train:0") is None
+                restores[arm].append(time.perf_counter() - t0)
         if server is not None:
             server.stop()
 
+    def ms(values: list[float], how) -> float:  # noqa: ANN001
+        return how(values) * 1e3
+
     rows = []
     for kind in ("forward_backward", "optim_step"):
-        on, off = statistics.median(times[True][kind]) * 1e3, statistics.median(times[False][kind]) * 1e3
-        rows.append({"op": kind, "off_p50_ms": off, "on_p50_ms": on, "ratio": on / off, "n": len(times[True][kind])})
-    step_on = sum(r_["on_p50_ms"] for r_ in rows)
-    step_off = sum(r_["off_p50_ms"] for r_ in rows)
+        row = {"op": kind, "n": len(times["off"][kind])}
+        for arm in arms:
+            row[f"{arm}_p50_ms"] = ms(times[arm][kind], statistics.median)
+            row[f"{arm}_mean_ms"] = ms(times[arm][kind], statistics.mean)  # a checkpoint lands on one step in N
+        rows.append(row)
+    step = {arm: sum(row[f"{arm}_mean_ms"] for row in rows) for arm in arms}
+    step_p50 = sum(row["off_p50_ms"] for row in rows)
+    checkpoint_ms = statistics.median(checkpoint_s) * 1e3
     out = {"machine": platform.platform(), "python": platform.python_version(), "args": vars(ARGS), "ops": rows,
-           "step_ratio": step_on / step_off, "journal_bytes_per_model": journal_bytes,
-           "restore_s_p50": statistics.median(restores), "writes": writes, "restore_steps": ARGS.steps}
-    print("| op | durable off p50 ms | on p50 ms | on / off |\n| --- | --- | --- | --- |")
+           "step_mean_ms": step, "journal_ratio": step["journal"] / step["off"],
+           "checkpoints_ratio": step["checkpoints"] / step["off"], "journal_bytes_per_model": journal_bytes,
+           "journal_entries_after_checkpoints": tail,
+           "restore_s_p50": {arm: statistics.median(v) for arm, v in restores.items()}, "writes": writes,
+           "restore_steps": ARGS.steps, "checkpoint_ms_p50": checkpoint_ms, "checkpoint_bytes": archive_bytes,
+           "checkpoint_share_of_step": checkpoint_ms / ARGS.every / step_p50}
+    print("| op | off p50 / mean ms | journal p50 / mean ms | journal + checkpoints p50 / mean ms |")
+    print("| --- | --- | --- | --- |")
     for row in rows:
-        print(f"| {row['op']} | {row['off_p50_ms']:.2f} | {row['on_p50_ms']:.2f} | {row['ratio']:.3f} |")
-    print(f"| fb + optim_step | {step_off:.2f} | {step_on:.2f} | {step_on / step_off:.3f} |")
-    print(f"journal of one model after {ARGS.steps} steps: {journal_bytes / 1024:.1f} KiB; "
-          f"rebuilding it on a fresh runtime: {out['restore_s_p50'] * 1e3:.0f} ms (p50 of 3)")
+        print(f"| {row['op']} | " + " | ".join(f"{row[f'{a}_p50_ms']:.2f} / {row[f'{a}_mean_ms']:.2f}" for a in arms)
+              + " |")
+    print(f"| fb + optim_step (mean) | {step['off']:.2f} | {step['journal']:.2f} ({out['journal_ratio']:.3f}x) | "
+          f"{step['checkpoints']:.2f} ({out['checkpoints_ratio']:.3f}x) |")
+    print(f"one checkpoint ({archive_bytes / 1024:.0f} KiB archive): {checkpoint_ms:.1f} ms p50 of 5; every "
+          f"{ARGS.every} steps that is {checkpoint_ms / ARGS.every:.2f} ms per step, "
+          f"{100 * out['checkpoint_share_of_step']:.1f}% of the step's p50 ({step_p50:.1f} ms, durability off)")
+    print(f"journal of one model after {ARGS.steps} steps: {journal_bytes / 1024:.1f} KiB without checkpoints, "
+          f"{tail} entries left with one every {ARGS.every} steps")
+    print(f"rebuilding it on a fresh runtime (p50 of 3): {out['restore_s_p50']['journal'] * 1e3:.0f} ms from the "
+          f"whole journal, {out['restore_s_p50']['checkpoints'] * 1e3:.0f} ms from the last checkpoint + tail")
     print(f"result write alone: {writes['put_result_p50_ms']:.3f} ms plain, "
           f"{writes['put_result_journaled_p50_ms']:.3f} ms with a {writes['entry_bytes']} B journal entry (p50)")
     target = ROOT / "bench" / "out"
@@ -151,7 +184,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", default="tinyq-micro")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--every", type=int, default=10, help="optim_steps between durable checkpoints")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=64)
     parser.add_argument("--rank", type=int, default=32)

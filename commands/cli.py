@@ -115,5 +115,64 @@ def shard(model_id: str) -> None:
     typer.echo(f"{k} {queue_name(k)}")
 
 
+@app.command()
+def shards(
+    redis_url: RedisUrl = "redis://127.0.0.1:6379/0",
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object per shard, in a list")] = False,
+) -> None:
+    """Each shard's owner, fencing epoch, queue depth, in-flight and held jobs, and models."""
+    import json
+
+    from redis import Redis
+
+    from tinkerq.config import QueueConfig
+    from tinkerq.shards import shard_rows, table
+
+    rows = shard_rows(Redis.from_url(redis_url, socket_timeout=10), QueueConfig().num_shards)
+    typer.echo(json.dumps([row.as_dict() for row in rows], indent=2) if as_json else table(rows))
+
+
+@app.command()
+def drain(
+    worker_name: Annotated[str, typer.Argument(metavar="WORKER", help="the worker's name (`tinkerq shards` owner)")],
+    redis_url: RedisUrl = "redis://127.0.0.1:6379/0",
+    timeout: Annotated[float, typer.Option(help="seconds to wait for it to finish")] = 600.0,
+) -> None:
+    """Drain a worker: it finishes the job in hand, checkpoints every model it holds, releases its shards and exits
+    0; the other workers take the shards at once."""
+    import time
+
+    from redis import Redis
+
+    from tinkerq.config import QueueConfig
+    from tinkerq.shards import drained, owned_by, request_drain, shard_rows
+
+    connection = Redis.from_url(redis_url, socket_timeout=10)
+    num_shards = QueueConfig().num_shards
+    held = owned_by(shard_rows(connection, num_shards), worker_name)
+    from rq import Worker
+
+    registered = any(w.name.startswith(f"{worker_name}-") for w in Worker.all(connection=connection))
+    if not held and not registered:
+        typer.echo(f"no worker named {worker_name!r} holds a shard or is registered (see `tinkerq shards`)", err=True)
+        raise typer.Exit(2)
+    request_drain(connection, worker_name)
+    typer.echo(f"draining {worker_name} (shards {held})")
+    deadline = time.monotonic() + timeout
+    while not drained(connection, worker_name, num_shards):
+        if time.monotonic() > deadline:
+            typer.echo(f"{worker_name} has not drained within {timeout:g} s", err=True)
+            raise typer.Exit(1)
+        time.sleep(0.2)
+    typer.echo(f"{worker_name} drained and released shards {held}")
+    deadline = time.monotonic() + 10  # the other workers take free shards within a tick: report who did
+    while time.monotonic() < deadline:
+        owners = {row.shard: row.owner for row in shard_rows(connection, num_shards) if row.shard in held}
+        if all(owners.values()):
+            break
+        time.sleep(0.2)
+    typer.echo(f"owners now: {owners}")
+
+
 if __name__ == "__main__":
     app()

@@ -28,7 +28,7 @@ from schemas import (
     WeightSyncRequest,
 )
 from tinkerq import keys
-from tinkerq.config import RuntimeConfig
+from tinkerq.config import QueueConfig, RuntimeConfig
 from worker.fencing import Fence, FencedOut
 from worker.journal import Journal
 from worker.restore import Restorer
@@ -102,7 +102,7 @@ def test_a_stored_result_and_its_journal_entry_are_one_fenced_write(r, config, t
     stale.tokens[shard] = "paused-old-owner:1"  # a token the lease no longer holds
     with pytest.raises(FencedOut):
         stale.put_result_journaled(shard, "rid-stale", "{}", 60, "done", keys.journal_key(model), "{}",
-                                   keys.last_seq_key(model), 99)
+                                   keys.last_seq_key(model), 99, keys.journal_base_key(model))
     assert Journal(r).length(model) == 4 and not r.exists(keys.result_key("rid-stale"))
     assert int(r.get(keys.last_seq_key(model))) == 3
 
@@ -110,12 +110,17 @@ def test_a_stored_result_and_its_journal_entry_are_one_fenced_write(r, config, t
     r.delete(keys.lease_key(shard))
     assert owner.acquire([shard]) == [shard]
     again = owner.put_result_journaled(shard, tickets[1].request_id, "{}", 60, "done", keys.journal_key(model),
-                                       "{}", keys.last_seq_key(model), 1)
+                                       "{}", keys.last_seq_key(model), 1, keys.journal_base_key(model))
     assert again == 0 and Journal(r).length(model) == 4  # its result was stored already: nothing appended
 
 
-@pytest.mark.parametrize("seed", [None, 3])
-def test_a_model_rebuilt_from_its_journal_holds_the_same_tensors(r, config, tmp_path, seed):
+def with_period(config: QueueConfig, every: int) -> QueueConfig:
+    return QueueConfig(**{**config.model_dump(), "durable_every": every})
+
+
+@pytest.mark.parametrize(("seed", "every"), [(None, 0), (3, 0), (3, 2)])
+def test_a_model_rebuilt_from_its_journal_holds_the_same_tensors(r, config, tmp_path, seed, every):
+    config = with_period(config, every)
     producer = Producer(r, config)
     model = "rebuilt:train:0"
     ops = training(model, 3, seed=seed)
@@ -125,11 +130,44 @@ def test_a_model_rebuilt_from_its_journal_holds_the_same_tensors(r, config, tmp_
     owner.run(burst=True, logging_level="WARNING")
     assert all(producer.get(t.request_id).type != "error" for t in tickets), [producer.get(t.request_id) for t in tickets]
     original = owner.dispatcher.runtime
+    journal = Journal(r)
+    assert journal.length(model) == 1 + 3 * 3 + 1
+    # with a period of 2 steps, the checkpoint after step 2 replaced the 6 entries up to it
+    assert journal.listed(model) == (5 if every else 11)
+    assert (journal.checkpoint(model) is not None) == bool(every)
 
     fresh = torch_runtime(tmp_path)
-    assert Restorer(r, fresh, Journal(r)).ensure(model) is None
+    assert Restorer(r, fresh, journal).ensure(model) is None
     assert_same(tensors(original, model), tensors(fresh, model))
     assert fresh.engine.live_versions(model) == original.engine.live_versions(model)
+
+
+def test_a_checkpoint_holds_pending_gradients_and_every_live_snapshot(r, config, tmp_path):
+    producer = Producer(r, config)
+    model = "whole:train:0"
+    ops = training(model, 5, seed=4) + [ForwardBackwardRequest(model_id=model, seq_id=16, data=[datum(3)])]
+    tickets = [producer.submit(op) for op in ops]
+    owner = burst_worker(r, config, tmp_path, runtime="torch")
+    owner.run(burst=True, logging_level="WARNING")
+    assert all(producer.get(t.request_id).type != "error" for t in tickets)
+    owner.fence.acquire(list(range(config.num_shards)))  # the burst run released its leases
+    assert owner.dispatcher.make_durable(list(range(config.num_shards))) == 1  # what a drain does
+    journal = Journal(r)
+    assert journal.listed(model) == 0 and journal.length(model) == 17
+    checkpoint = journal.checkpoint(model)
+    assert Path(checkpoint.path).is_file() and checkpoint.applied == 5
+
+    fresh = torch_runtime(tmp_path)
+    assert Restorer(r, fresh, journal).ensure(model) is None
+    original = owner.dispatcher.runtime
+    assert_same(tensors(original, model), tensors(fresh, model))
+    assert fresh.engine.live_versions(model) == original.engine.live_versions(model) == [2, 3, 4, 5]
+    greedy = SampleRequest(model_id=model, prompt_tokens=PROMPT, sampling_params=GREEDY)
+    for version in (2, 5):  # each live snapshot is the weights it was synced from, not the trainer's current ones
+        pinned = greedy.model_copy(update={"weights_version": version})
+        a, b = original.sample([pinned])[0], fresh.sample([pinned])[0]
+        assert a.sequences[0].tokens == b.sequences[0].tokens
+        assert a.sequences[0].logprobs == pytest.approx(b.sequences[0].logprobs, abs=1e-5)
 
 
 def test_what_cannot_be_rebuilt_is_named(r, config, tmp_path):
@@ -154,6 +192,48 @@ def test_what_cannot_be_rebuilt_is_named(r, config, tmp_path):
     assert [x.code for x in lost] == ["model_state_lost", "model_state_lost"], lost
     assert Path(archive).name in lost[0].error
     assert keys.journal_key(other) in lost[1].error
+
+
+def test_an_evicted_persisted_snapshot_is_read_back_from_its_archive(r, config, tmp_path):
+    producer = Producer(r, config)
+    model = "archived:train:0"
+    ops = training(model, 1, seed=5, sample=False)
+    ops[-1] = WeightSyncRequest(model_id=model, seq_id=3, name="keep")  # version 1, with an archive
+    for step in range(1, 6):  # five more steps, each synced: version 1 is evicted from the engine (4 live)
+        ops += [ForwardBackwardRequest(model_id=model, seq_id=3 * step + 1, data=[datum(step)]),
+                OptimStepRequest(model_id=model, seq_id=3 * step + 2, adam_params=AdamParams(learning_rate=1e-2)),
+                WeightSyncRequest(model_id=model, seq_id=3 * step + 3)]
+    pinned = SampleRequest(model_id=model, prompt_tokens=PROMPT, sampling_params=GREEDY, weights_version=1)
+    first = producer.submit(ops[0])
+    owner = burst_worker(r, config, tmp_path, runtime="torch")
+    for op in ops[1:4]:
+        producer.submit(op)
+    before = producer.submit(pinned)  # served while version 1 is live
+    for op in ops[4:]:
+        producer.submit(op)
+    owner.run(burst=True, logging_level="WARNING")
+    assert producer.get(first.request_id).type == "create_model"
+    expected = producer.get(before.request_id)
+    assert expected.type == "sample" and expected.weights_version == 1
+    assert 1 not in owner.dispatcher.runtime.engine.live_versions(model)
+
+    again = producer.submit(pinned)  # on the same worker: read back from the archive instead of a 410
+    owner.run(burst=True, logging_level="WARNING")
+    # on a worker that never held it (the owner died): rebuilt from the journal, then read back the same way
+    lost = producer.submit(pinned)
+    burst_worker(r, config, tmp_path, runtime="torch").run(burst=True, logging_level="WARNING")
+    for ticket in (again, lost):
+        out = producer.get(ticket.request_id)
+        assert out.type == "sample", out
+        assert out.weights_version == 1 and out.sequences[0].tokens == expected.sequences[0].tokens
+        assert out.sequences[0].logprobs == pytest.approx(expected.sequences[0].logprobs, abs=1e-5)
+
+    archive = r.hget(keys.snapshots_key(model), "1").decode()
+    Path(archive).unlink()  # the archive is gone too: an explicit 410 naming it
+    gone = producer.submit(pinned)
+    burst_worker(r, config, tmp_path, runtime="torch").run(burst=True, logging_level="WARNING")
+    out = producer.get(gone.request_id)
+    assert out.code == "snapshot_evicted" and archive in out.error
 
 
 # -- worker processes -----------------------------------------------------------------------------------------
@@ -198,15 +278,15 @@ def saved_adapter(path: str) -> dict[str, torch.Tensor]:
         return load_file(str(extract_archive(Path(path), Path(tmp) / "x") / "adapter_model.safetensors"))
 
 
-@pytest.mark.slow
-def test_a_run_whose_owner_is_sigkilled_at_a_random_point_ends_as_an_uninterrupted_one(r, config, start_worker):
+def sigkilled_run(r, config, start_worker, steps: int, **env: str) -> None:
+    """A run whose owner is SIGKILLed at a random point ends, on the standby, with the adapter of an uninterrupted
+    run of the same requests."""
     seed = random.randrange(1_000_000)
     print(f"kill point seed: {seed}")
-    owner = start_worker(TINKERQ_RUNTIME="torch")
+    owner = start_worker(TINKERQ_RUNTIME="torch", **env)
     wait_until(lambda: owns_all(r, config), 120, "the first worker's leases")
-    standby = start_worker(TINKERQ_RUNTIME="torch")
+    standby = start_worker(TINKERQ_RUNTIME="torch", **env)
     producer = Producer(r, config)
-    steps = 4
     ops = training("survivor:train:0", steps)
     tickets = [(op, producer.submit(op)) for op in ops]
     kill_after = random.Random(seed).randrange(1, len(ops) - 1)
@@ -232,9 +312,29 @@ def test_a_run_whose_owner_is_sigkilled_at_a_random_point_ends_as_an_uninterrupt
     for name in survivor:
         assert torch.allclose(survivor[name], uninterrupted[name], atol=1e-5), name
     assert any(bool(v.abs().sum() > 0) for k, v in survivor.items() if "lora_B" in k)  # trained (B starts at 0)
-    assert "survivor:train:0: replaying journal entries" in standby.output()  # it was rebuilt there
+    rebuilt = ("survivor:train:0: replaying journal entries", "survivor:train:0: loading its checkpoint")
+    assert any(line in standby.output() for line in rebuilt)  # it was rebuilt there
     for shard in range(config.num_shards):  # nothing left queued or in flight: every request ended once
         assert r.llen(keys.queue_key(shard)) == 0 and r.llen(keys.inflight_key(shard)) == 0
+
+
+@pytest.mark.slow
+def test_a_run_whose_owner_is_sigkilled_at_a_random_point_ends_as_an_uninterrupted_one(r, config, start_worker):
+    sigkilled_run(r, config, start_worker, 4, TINKERQ_DURABLE_EVERY="0")
+    assert Journal(r).listed("survivor:train:0") == 1 + 3 * 4  # no checkpoint: every entry since create_model
+
+
+@pytest.mark.slow
+def test_a_run_longer_than_the_checkpoint_period_survives_a_sigkill_with_its_journal_bounded(r, config,
+                                                                                            start_worker):
+    sigkilled_run(r, config, start_worker, 7, TINKERQ_DURABLE_EVERY="2")
+    journal = Journal(r)
+    for model in ("survivor:train:0", "reference:train:0"):
+        assert journal.length(model) == 1 + 3 * 7
+        # at most one period of entries since the last checkpoint (after step 6): its sync, then step 7's three ops
+        assert journal.listed(model) <= 3 * 2, journal.listed(model)
+        latest = Path(journal.checkpoint(model).path)
+        assert [p.name for p in latest.parent.iterdir()] == [latest.name]  # the ones it replaced are deleted
 
 
 @pytest.mark.slow

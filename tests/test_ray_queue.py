@@ -36,7 +36,7 @@ from schemas import (
     WeightSyncRequest,
 )
 from tinkerq.config import QueueConfig
-from tinkerq.redis_server import free_port
+from commands.redis_server import free_port
 from worker.ray_runtime import cluster
 
 pytestmark = pytest.mark.slow

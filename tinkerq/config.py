@@ -37,6 +37,10 @@ class QueueConfig(BaseSettings):
     # Each state-changing training op is journaled in Redis with its result, so any worker can rebuild the model
     # after its owner dies (worker/journal.py). Off: a model lives only in its owner's memory (model_state_lost).
     durable: bool = True
+    # Every this many optim_steps of a model, its owner writes a durable checkpoint of its whole state to the
+    # checkpoint root and trims the journal before it (worker/checkpointer.py), so a takeover replays at most
+    # this many steps and Redis holds no more of their data. 0: never (the journal grows with the run).
+    durable_every: int = Field(10, ge=0)
 
 
 class RuntimeConfig(BaseSettings):

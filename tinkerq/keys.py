@@ -108,6 +108,13 @@ def journal_key(model_id: str) -> str:
     return model_key(model_id, "journal")
 
 
+def journal_base_key(model_id: str) -> str:
+    """Where the model's journal starts (hash): "offset", the entries trimmed from its head (a durable checkpoint
+    holds their effect); "json", that checkpoint's record; "steps", the optim_steps journaled since it
+    (worker/checkpointer.py). Written only by fenced scripts, with the journal."""
+    return model_key(model_id, "journal_base")
+
+
 def checkpoints_key(model_id: str) -> str:
     """Registered checkpoints: checkpoint id -> CheckpointRecord JSON (hash)."""
     return model_key(model_id, "checkpoints")
@@ -128,6 +135,12 @@ def lease_key(shard: int) -> str:
 
 def epoch_key(shard: int) -> str:
     return f"{PREFIX}:shard:{shard}:epoch"
+
+
+def drain_key(worker: str) -> str:
+    """Set by `tinkerq drain WORKER`: the worker of that name finishes what it holds, checkpoints its models,
+    releases its shards and exits."""
+    return f"{PREFIX}:worker:{worker}:drain"
 
 
 def bell_key(shard: int) -> str:

@@ -19,6 +19,7 @@ from schemas import (
     ErrorResponse,
     Limits,
     LoadStateOutput,
+    OptimStepRequest,
     Request,
     Result,
     SampleOutput,
@@ -30,6 +31,7 @@ from tinkerq import keys
 from tinkerq.config import LimitsConfig, QueueConfig
 from worker import batching
 from worker.admission import Admission, Refused
+from worker.checkpointer import Checkpointer
 from worker.fencing import Fence, FencedOut
 from worker.journal import Journal, changes_state, reproducible
 from worker.restore import Restorer
@@ -61,6 +63,7 @@ class Dispatcher:
         self.stopping = threading.Event()  # set when the worker is asked to stop: running batches admit no more
         self.journal = Journal(connection)
         self.restorer = Restorer(connection, runtime, self.journal)
+        self.checkpointer = Checkpointer(runtime, fence, self.journal, config.durable_every)
         self.sequencer = Sequencer(connection, fence, config.seq_gap_timeout_s, self._execute, self.finish)
 
     def finish(self, shard: int, request_id: str, result: Result) -> bool:
@@ -127,13 +130,29 @@ class Dispatcher:
         try:
             length = self.fence.put_result_journaled(
                 shard, rid, result.model_dump_json(), self.config.result_ttl_s, "done", self.journal.key(model_id),
-                self.journal.entry(request), keys.last_seq_key(model_id), request.seq_id)
+                self.journal.entry(request), keys.last_seq_key(model_id), request.seq_id,
+                self.journal.base_key(model_id), optim_step=isinstance(request, OptimStepRequest))
         except BaseException:
             self.restorer.diverged(model_id)  # ran here, but not journaled
             raise
         if not length:
             log.info("result of %s was already stored; keeping the first", rid)
         self.restorer.journaled(model_id, length)
+        if isinstance(request, OptimStepRequest) and self.restorer.reflects(model_id, length):
+            self.checkpointer.stepped(shard, model_id, length)
+
+    def make_durable(self, shards: list[int]) -> int:
+        """Checkpoint every model this worker holds up to date on `shards` (a drain: the next owner loads them
+        instead of replaying); how many were written."""
+        written = 0
+        for model_id, length in self.restorer.current() if self.config.durable else []:
+            shard = keys.shard_of(model_id, self.config.num_shards)
+            if shard not in shards:
+                continue
+            self.fence.renew()  # the lease keeper has stopped: many checkpoints may outlast a lease otherwise
+            if self.checkpointer.checkpoint(shard, model_id, length):
+                written += 1
+        return written
 
     def _register_checkpoint(self, shard: int, request: Request, result: Result) -> None:
         """Saved and deleted checkpoints, for the REST API's listings (fenced, like every authoritative write)."""
@@ -183,9 +202,11 @@ class Dispatcher:
                     done(each_rid, lost)
             return ready
 
-        def admit(accept):  # noqa: ANN001, ANN202 - samples of a model not held here wait to be served first
-            held = self.runtime.trainer.has_model
-            return run.admit(lambda each: (each.base_model is not None or held(each.model_id)) and accept(each))
+        def admit(accept):  # noqa: ANN001, ANN202 - samples of a model not held here wait to be served first,
+            # and so do those of a snapshot to read back from its archive (never while a batch runs)
+            held, reload = self.runtime.trainer.has_model, self.runtime.needs_reload
+            return run.admit(lambda each: (each.base_model is not None or held(each.model_id) and not reload(each))
+                             and accept(each))
 
         try:
             self.runtime.sample_stream(restored(run.start(rid, request)), done, admit)

@@ -40,9 +40,10 @@ return 1
 
 # put_result plus the model's journal entry for a state-changing op (worker/journal.py), in one step: a result is
 # published only once the op is recoverable. The model's last seq moves too (max), so an owner dying right after
-# this write leaves the sequencer's position right. Returns the journal's length, 0 or -1 as _PUT_RESULT.
-# KEYS: lease, result, request record, journal, last seq. ARGV: as _PUT_RESULT, then the entry, then the seq_id
-# ('' for none).
+# this write leaves the sequencer's position right. An optim_step counts towards the next durable checkpoint.
+# Returns the journal's length counted from its first entry ever (trimmed ones too), 0 or -1 as _PUT_RESULT.
+# KEYS: lease, result, request record, journal, last seq, journal base. ARGV: as _PUT_RESULT, then the entry, then
+# the seq_id ('' for none), then '1' for an optim_step.
 _PUT_JOURNALED = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
 if not redis.call('SET', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then return 0 end
@@ -52,8 +53,21 @@ if ARGV[8] ~= '' then
   local current = tonumber(redis.call('GET', KEYS[5]))
   if current == nil or tonumber(ARGV[8]) > current then redis.call('SET', KEYS[5], ARGV[8]) end
 end
+if ARGV[9] == '1' then redis.call('HINCRBY', KEYS[6], 'steps', 1) end
 redis.call('PUBLISH', ARGV[4], ARGV[5])
-return length
+return length + tonumber(redis.call('HGET', KEYS[6], 'offset') or '0')
+"""
+
+# A durable checkpoint covers the whole journal as it stands: record it and drop every entry (worker/checkpointer.py).
+# Refused (0) unless the journal is still exactly `upto` entries long, so no entry the checkpoint lacks is dropped.
+# KEYS: lease, journal, journal base. ARGV: token, upto, the checkpoint's record.
+_TRIM_JOURNAL = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+local offset = tonumber(redis.call('HGET', KEYS[3], 'offset') or '0')
+if offset + redis.call('LLEN', KEYS[2]) ~= tonumber(ARGV[2]) then return 0 end
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[3], 'offset', ARGV[2], 'json', ARGV[3], 'steps', 0)
+return 1
 """
 
 # KEYS: lease, counter. ARGV: token, value, mode ("max" keeps the larger value, "set" overwrites).
@@ -100,6 +114,7 @@ class Fence:
         self._release = connection.register_script(_RELEASE)
         self._put_result = connection.register_script(_PUT_RESULT)
         self._put_journaled = connection.register_script(_PUT_JOURNALED)
+        self._trim_journal = connection.register_script(_TRIM_JOURNAL)
         self._set_counter = connection.register_script(_SET_COUNTER)
         self._hset = connection.register_script(_HSET)
         self._hdel = connection.register_script(_HDEL)
@@ -160,19 +175,31 @@ class Fence:
         return outcome == 1
 
     def put_result_journaled(self, shard: int, request_id: str, payload: str, ttl_s: int, status: str,
-                             journal_key: str, entry: str, seq_key: str, seq_id: int | None) -> int:
+                             journal_key: str, entry: str, seq_key: str, seq_id: int | None, base_key: str,
+                             optim_step: bool = False) -> int:
         """put_result that also appends `entry` to the model's journal (and moves its last seq up to `seq_id`).
-        The journal's new length; 0 if a result was already stored (nothing appended); FencedOut if not owner."""
+        The journal's new length, trimmed entries included; 0 if a result was already stored (nothing appended);
+        FencedOut if not owner."""
         outcome = self._write(
             self._put_journaled,
-            [keys.lease_key(shard), keys.result_key(request_id), keys.request_key(request_id), journal_key, seq_key],
+            [keys.lease_key(shard), keys.result_key(request_id), keys.request_key(request_id), journal_key, seq_key,
+             base_key],
             [self._token(shard), payload, ttl_s, keys.DONE_CHANNEL, request_id, status, entry,
-             "" if seq_id is None else seq_id],
+             "" if seq_id is None else seq_id, "1" if optim_step else "0"],
             f"the result of {request_id}",
         )
         if outcome == -1:
             raise FencedOut(f"lost the lease on shard {shard}; result of {request_id} not written")
         return int(outcome)
+
+    def trim_journal(self, shard: int, journal_key: str, base_key: str, upto: int, record: str) -> bool:
+        """Record a checkpoint that covers the journal's `upto` entries and drop them. False if the journal grew
+        meanwhile (nothing changes); FencedOut if not owner."""
+        outcome = self._write(self._trim_journal, [keys.lease_key(shard), journal_key, base_key],
+                              [self._token(shard), upto, record], journal_key)
+        if outcome == -1:
+            raise FencedOut(f"lost the lease on shard {shard}; {journal_key} not trimmed")
+        return outcome == 1
 
     def set_counter(self, shard: int, key: str, value: int, *, only_up: bool = True) -> None:
         outcome = self._write(self._set_counter, [keys.lease_key(shard), key],

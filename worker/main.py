@@ -49,6 +49,7 @@ class WorkerProcess:
         self.dispatcher = Dispatcher(connection, runtime, self.fence, self.config, limits)
         self.rq_worker: ShardWorker | None = None
         self._stopping = self.dispatcher.stopping
+        self.draining = threading.Event()  # `tinkerq drain` named this worker (worker/main.py's _keep_once)
         self.watchdog = StopWatchdog(self.config.stop_grace_s, self._leaving)
         self._incarnation = 0
 
@@ -117,9 +118,19 @@ class WorkerProcess:
             self._stopping.set()
             keeper.join(timeout=5)
             try:
+                if self.draining.is_set():
+                    self._make_durable()
                 self.fence.release()
+                if self.draining.is_set():
+                    self.connection.delete(keys.drain_key(self.name))  # tells `tinkerq drain` it is done
             except REDIS_DOWN as exc:  # the leases lapse on their own after their TTL
                 log.warning("worker %s could not release its leases (%s)", self.name, exc)
+
+    def _make_durable(self) -> None:
+        """A drain: checkpoint every model held here, so the next owner loads each instead of replaying it."""
+        shards = sorted(self.fence.tokens)
+        written = self.dispatcher.make_durable(shards)
+        log.warning("worker %s drained: %d model(s) checkpointed; releasing shards %s", self.name, written, shards)
 
     def _serve_once(self, burst: bool, logging_level: str) -> bool:
         """Take free shards and consume them until the leases change (True: go on), or a stop (False)."""
@@ -203,6 +214,11 @@ class WorkerProcess:
     def _keep_once(self) -> None:
         lost = self.fence.renew()
         worker = self.rq_worker
+        if not self.draining.is_set() and self.connection.exists(keys.drain_key(self.name)):
+            log.warning("worker %s: asked to drain; finishing the job in hand", self.name)
+            self.draining.set()
+            self.stop()  # the loop returns after the job in hand; a running batch admits no more samples
+            return
         if lost:
             log.error("worker %s lost shards %s; it stops consuming them", self.name, lost)
             if worker is not None:

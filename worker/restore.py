@@ -1,9 +1,10 @@
 """Rebuild a model this worker does not hold (or holds stale) from its journal, on first use.
 
 A worker that takes over a shard meets models whose state lived in the dead owner's memory. Their journal
-(worker/journal.py) holds every op whose result was stored, so replaying it from create_model (or the first
-load_state) gives the same adapter, optimizer, pending gradients and weight versions: ops on the CPU in float32
-are deterministic, and create_model's LoRA seed is journaled. This worker tracks how much of each journal its own
+(worker/journal.py) holds every op whose result was stored since the model's last durable checkpoint
+(worker/checkpointer.py), so loading that checkpoint (or starting from create_model when there is none) and
+replaying the entries gives the same adapter, optimizer, pending gradients and weight versions: ops on the CPU in
+float32 are deterministic, and create_model's LoRA seed is journaled. This worker tracks how much of each journal its own
 copy reflects, so a copy that fell behind (the shard went elsewhere and came back) replays the tail, and one that
 ran an op whose result it could not store (so the journal lacks it) is rebuilt from scratch.
 """
@@ -45,13 +46,10 @@ class Restorer:
             return None
         if length == 0:
             if held and mine is None:
-                return None  # made here before it had a journal (or its journal was trimmed away): keep it
+                return None  # made here before it had a journal: keep it
             return state_lost(model_id, f"its training journal ({self.journal.key(model_id)}) is gone from Redis")
-        start = mine if held and mine is not None and mine < length else 0
-        if start == 0 and held:
-            self.runtime.forget(model_id)
         try:
-            self._replay(model_id, start)
+            self._replay(model_id, mine if held and mine is not None and mine < length else None)
         except (CorruptJournal, DomainError) as exc:
             self.runtime.forget(model_id)
             self.position.pop(model_id, None)
@@ -63,14 +61,33 @@ class Restorer:
             raise
         return None
 
-    def _replay(self, model_id: str, start: int) -> None:
-        entries = self.journal.entries(model_id, start)
+    def _replay(self, model_id: str, mine: int | None) -> None:
+        """Replay from entry `mine` on (this worker's copy reflects those before it), or rebuild from scratch (None,
+        or when `mine` lies in the part a checkpoint replaced)."""
+        view = self.journal.read(model_id)
+        if mine is None or mine < view.offset:
+            self.runtime.forget(model_id)
+            if view.checkpoint is not None:
+                log.warning("model %s: loading its checkpoint %s (journal entries 0..%d)", model_id,
+                            view.checkpoint.path, view.offset - 1)
+                self.runtime.restore(model_id, view.checkpoint)
+            mine = view.offset
+        entries = view.entries[mine - view.offset:]
         raw = self.connection.hgetall(keys.snapshots_key(model_id))
         snapshots = {int(version): path.decode() for version, path in raw.items()}
-        log.warning("model %s: replaying journal entries %d..%d", model_id, start, start + len(entries) - 1)
+        if entries:
+            log.warning("model %s: replaying journal entries %d..%d", model_id, mine, mine + len(entries) - 1)
         for entry in entries:
             self.runtime.replay(entry, snapshots)
-        self.position[model_id] = start + len(entries)
+        self.position[model_id] = view.length
+
+    def reflects(self, model_id: str, length: int) -> bool:
+        """Whether this worker's copy of the model is exactly the journal's first `length` entries."""
+        return bool(length) and self.position.get(model_id) == length and self.runtime.trainer.has_model(model_id)
+
+    def current(self) -> list[tuple[str, int]]:
+        """The models held here that are up to date with what this worker journaled, and their journal lengths."""
+        return [(model_id, length) for model_id, length in self.position.items() if self.reflects(model_id, length)]
 
     def journaled(self, model_id: str, length: int) -> None:
         """The op this worker just ran is journal entry `length` - 1 (0: it was not journaled after all)."""

@@ -25,7 +25,7 @@ def free_address() -> tuple[str, int]:
 
 class TrainerRank:
     def __init__(self, config: RuntimeConfig, rank: int, world: int) -> None:
-        from worker.torch_runtime.bases import BaseModels
+        from worker.torch_runtime.base_models import BaseModels
         from worker.torch_runtime.factory import make_trainer, set_threads
 
         set_threads(config)

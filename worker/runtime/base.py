@@ -5,6 +5,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pydantic import BaseModel
+
 from schemas import (
     CreateModelOutput,
     CustomLoss,
@@ -73,12 +75,22 @@ def in_order(serve: Callable[[Keyed, Done], None], requests: list[SampleRequest]
     return [results[str(i)] for i in range(len(requests))]
 
 
+class DurableCheckpoint(BaseModel):
+    """A model's whole state on disk (Trainer.save_durable) and what the Runtime knew beside it: the version last
+    applied and the archive of every persisted one. Recorded in the journal's base (worker/journal.py)."""
+
+    path: str
+    applied: int
+    persisted: dict[int, str] = {}
+
+
 class Engine(ABC):
     """Batched generation over weight snapshots addressed by (model id, version)."""
 
     @abstractmethod
-    def add_model(self, model_id: str, base_model: str, weights: Any) -> None:
-        """Register a model whose version 0 is `weights` (as exported by the trainer)."""
+    def add_model(self, model_id: str, base_model: str, weights: Any, version: int = 0) -> None:
+        """Register a model whose first version (0, or another when restored) is `weights` (as exported by the
+        trainer)."""
 
     @abstractmethod
     def apply_weights(self, model_id: str, version: int, weights: Any) -> None:
@@ -101,6 +113,16 @@ class Engine(ABC):
             for (key, _), result in zip(items, self.generate([r for _, r in items]), strict=True):
                 done(key, result)
             items = admit(lambda request: True) if admit else []
+
+    def snapshot_weights(self, model_id: str, version: int) -> Any | None:
+        """A live snapshot's weights as the trainer exports them, for a durable checkpoint (None: this engine
+        cannot give them back, so no checkpoint is written and the journal keeps every entry)."""
+        return None
+
+    def restore_snapshot(self, model_id: str, version: int, weights: Any) -> bool:
+        """Serve an evicted version again (read back from its archive), without evicting any live one: never
+        called while a batch runs, and the next sync's eviction bounds the count again. False: not possible here."""
+        return False
 
     def check_base(self, base_model: str) -> None:
         """Raise DomainError unless this engine can serve samples of the bare base model (no adapter)."""
@@ -153,6 +175,20 @@ class Trainer(ABC):
     @abstractmethod
     def remove_model(self, model_id: str) -> None:
         """Drop the model's adapter, optimizer and gradients (no error if it is not held)."""
+
+    def save_durable(self, model_id: str, name: str, snapshots: dict[int, Any]) -> str:
+        """Write everything the model is (weights, optimizer, config, pending gradients) and the weights of its
+        live snapshots (`snapshots`: version -> exported weights) atomically; return its path. NotImplementedError:
+        this trainer writes none, and durability rests on the journal alone."""
+        raise NotImplementedError
+
+    def load_durable(self, model_id: str, path: str) -> dict[int, Any]:
+        """Rebuild the model from save_durable's file; return the snapshots' weights. DomainError if unreadable."""
+        raise NotImplementedError
+
+    def read_sampler_weights(self, path: str) -> Any:
+        """A persisted sampler snapshot's weights, as export_weights gives them (DomainError if unreadable)."""
+        raise DomainError(410, "snapshot_evicted", "this runtime cannot read sampler snapshots back")
 
     def check_custom_loss(self, loss: CustomLoss) -> None:  # noqa: B027 - optional
         """Raise DomainError if forward_backward could not run this custom loss (it is compiled here)."""

@@ -83,6 +83,32 @@ class ReferenceTrainer(Trainer):
     def save_state(self, model_id: str, name: str, include_optimizer: bool) -> str:
         return self._write(model_id, "weights", name)
 
+    def save_durable(self, model_id: str, name: str, snapshots: dict[int, dict]) -> str:
+        path = paths.checkpoint_file(self.root, model_id, "durable", name, ".json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"model_id": model_id, "step": self.steps[model_id], "base_model": self.bases[model_id],
+                                   "pending_grads": self.pending_grads[model_id],
+                                   "snapshots": {str(v): w for v, w in snapshots.items()}}))
+        tmp.rename(path)
+        return str(path)
+
+    def load_durable(self, model_id: str, path: str) -> dict[int, dict]:
+        try:
+            state = json.loads(Path(path).read_text())
+            self.steps[model_id], self.pending_grads[model_id] = int(state["step"]), int(state["pending_grads"])
+            self.bases[model_id] = state["base_model"]
+            return {int(v): dict(w) for v, w in state["snapshots"].items()}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            self.remove_model(model_id)
+            raise DomainError(404, "checkpoint_unreadable", f"cannot load durable checkpoint {path!r}: {exc}") from exc
+
+    def read_sampler_weights(self, path: str) -> dict:
+        try:
+            return {"step": int(json.loads(Path(path).read_text())["step"])}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise DomainError(404, "checkpoint_unreadable", f"cannot read snapshot {path!r}: {exc}") from exc
+
     def load_state(self, request: LoadStateRequest) -> LoadStateOutput:
         try:
             state = json.loads(paths.resolve(self.root, request.path, ".json").read_text())
@@ -103,8 +129,15 @@ class ReferenceEngine(Engine):
         self.snapshots: dict[str, OrderedDict[int, dict]] = {}
         self.batches: list[int] = []  # sizes of the batches generate() was given, for tests and benchmarks
 
-    def add_model(self, model_id: str, base_model: str, weights: dict) -> None:
-        self.snapshots[model_id] = OrderedDict({0: weights})
+    def add_model(self, model_id: str, base_model: str, weights: dict, version: int = 0) -> None:
+        self.snapshots[model_id] = OrderedDict({version: weights})
+
+    def snapshot_weights(self, model_id: str, version: int) -> dict:
+        return dict(self.snapshots[model_id][version])
+
+    def restore_snapshot(self, model_id: str, version: int, weights: dict) -> bool:
+        self.snapshots[model_id][version] = weights
+        return True
 
     def apply_weights(self, model_id: str, version: int, weights: dict) -> None:
         held = self.snapshots[model_id]

@@ -20,7 +20,8 @@ from schemas import (
     WeightSyncRequest,
 )
 from worker.runtime import paths
-from worker.runtime.base import Admit, Done, DomainError, Engine, Keyed, Trainer, in_order, servable, unknown_model
+from worker.runtime.base import Admit, Done, DomainError, DurableCheckpoint, Engine, Keyed, Trainer, in_order, \
+    servable, unknown_model
 
 
 class Runtime:
@@ -106,6 +107,38 @@ class Runtime:
         else:
             self.execute(request)
 
+    def checkpoint(self, model_id: str, name: str) -> DurableCheckpoint | None:
+        """Write the model's whole state, live snapshots included (worker/checkpointer.py). None when this runtime
+        cannot: its trainer writes no durable state, or its engine cannot give a live snapshot back."""
+        snapshots = {}
+        for version in self.engine.live_versions(model_id):
+            weights = self.engine.snapshot_weights(model_id, version)
+            if weights is None:
+                return None
+            snapshots[version] = weights
+        try:
+            path = self.trainer.save_durable(model_id, name, snapshots)
+        except NotImplementedError:
+            return None
+        persisted = {version: path for (model, version), path in self._paths.items() if model == model_id}
+        return DurableCheckpoint(path=path, applied=self._applied.get(model_id, 0), persisted=persisted)
+
+    def restore(self, model_id: str, checkpoint: DurableCheckpoint) -> None:
+        """Rebuild the model from a durable checkpoint: the trainer's state, then each live snapshot under its own
+        version. DomainError if the checkpoint cannot be read."""
+        self.forget(model_id)
+        snapshots = self.trainer.load_durable(model_id, checkpoint.path)
+        versions = sorted(snapshots)
+        base = self.trainer.base_model(model_id)
+        if versions:
+            self.engine.add_model(model_id, base, snapshots[versions[0]], version=versions[0])
+        else:
+            self.engine.add_model(model_id, base, self.trainer.export_weights(model_id))
+        for version in versions[1:]:
+            self.engine.apply_weights(model_id, version, snapshots[version])
+        self._applied[model_id] = checkpoint.applied
+        self._paths.update({(model_id, version): path for version, path in checkpoint.persisted.items()})
+
     def sync_weights(self, request: WeightSyncRequest, saved: str | None = None) -> WeightSyncOutput:
         """Make the trainer's current weights servable as `request.version`. Replays are no-ops."""
         model_id, version = self._known(request).model_id, request.version
@@ -128,15 +161,37 @@ class Runtime:
     def sample_stream(self, items: Keyed, done: Done, admit: Admit | None = None) -> None:
         """Serve `items` and what `admit` returns while they run; each request's output or error goes to
         `done` as soon as it is ready."""
-        def pinned(admitted: Keyed) -> Keyed:
-            return [(key, request) for key, _, request in servable(admitted, done, self._pin)]
+        def pinned(admitted: Keyed, reload: bool) -> Keyed:
+            return [(key, request) for key, _, request in servable(admitted, done, lambda r: self._pin(r, reload))]
 
-        first = pinned(items)
+        first = pinned(items, reload=True)  # nothing runs yet: an evicted persisted snapshot may be read back
         if first:
-            self.engine.generate_stream(first, done, (lambda accept: pinned(admit(accept))) if admit else None)
+            self.engine.generate_stream(first, done, (lambda accept: pinned(admit(accept), False)) if admit else None)
 
-    def _pin(self, request: SampleRequest) -> SampleRequest:
-        """The request with the snapshot it will be served from, or DomainError if it is not held."""
+    def needs_reload(self, request: SampleRequest) -> bool:
+        """Whether serving the request first reads a persisted snapshot back from its archive (so it must not join
+        a running batch: it waits to start the next one)."""
+        if request.base_model is not None or request.weights_version is None:
+            return False
+        return (request.model_id, request.weights_version) in self._paths and \
+            request.weights_version not in self.engine.live_versions(request.model_id)
+
+    def _reload(self, request: SampleRequest) -> bool:
+        """Serve an evicted persisted version again from its archive; False if this engine cannot."""
+        path = self._paths[(request.model_id, request.weights_version)]
+        try:
+            weights = self.trainer.read_sampler_weights(path)
+        except DomainError as exc:
+            raise DomainError(410, "snapshot_evicted", (
+                f"weights version {request.weights_version} of model {request.model_id!r} is no longer held and "
+                f"its archive {path!r} cannot be read back: {exc}")) from exc
+        return self.engine.restore_snapshot(request.model_id, request.weights_version, weights)
+
+    def _pin(self, request: SampleRequest, reload: bool = False) -> SampleRequest:
+        """The request with the snapshot it will be served from (read back from its archive when it is a persisted
+        one the engine evicted, if `reload`), or DomainError if it is not held."""
+        if reload and self.needs_reload(request) and self.trainer.has_model(request.model_id):
+            self._reload(request)
         if request.base_model is not None:
             self.engine.check_base(request.base_model)
             return request.model_copy(update={"weights_version": 0})

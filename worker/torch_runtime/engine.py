@@ -6,7 +6,7 @@ from collections import OrderedDict, defaultdict
 from schemas import ErrorResponse, GeneratedSequence, SampleOutput, SampleRequest, TopkLogprobs
 from worker.runtime.base import Admit, Done, Engine, Keyed, check_fits, in_order, servable
 from worker.torch_runtime.base_models import BASE_ADAPTER, BaseModels, LoadedBase, adapter_name
-from worker.torch_runtime.lora_io import LoraWeights, import_adapter
+from worker.torch_runtime.lora_io import LoraWeights, export_adapter, import_adapter
 from worker.torch_runtime.sampler import Row, Sampler
 
 
@@ -17,20 +17,27 @@ class TorchEngine(Engine):
         self.snapshots: dict[str, OrderedDict[int, str]] = {}
         self.base_of: dict[str, LoadedBase] = {}
 
-    def add_model(self, model_id: str, base_model: str, weights: LoraWeights) -> None:
+    def add_model(self, model_id: str, base_model: str, weights: LoraWeights, version: int = 0) -> None:
         self.remove_model(model_id)
         self.base_of[model_id] = self.bases.get(base_model)
         self.snapshots[model_id] = OrderedDict()
-        self.apply_weights(model_id, 0, weights)
+        self.apply_weights(model_id, version, weights)
 
     def apply_weights(self, model_id: str, version: int, weights: LoraWeights) -> None:
+        self.restore_snapshot(model_id, version, weights)
         base, held = self.base_of[model_id], self.snapshots[model_id]
-        name = adapter_name(model_id, version)
-        import_adapter(base, name, weights)  # a copy: later training steps do not reach it
-        held[version] = name
         while len(held) > self.max_snapshots:
             _, evicted = held.popitem(last=False)
             base.delete_adapter(evicted)
+
+    def restore_snapshot(self, model_id: str, version: int, weights: LoraWeights) -> bool:
+        name = adapter_name(model_id, version)
+        import_adapter(self.base_of[model_id], name, weights)  # a copy: later training steps do not reach it
+        self.snapshots[model_id][version] = name
+        return True
+
+    def snapshot_weights(self, model_id: str, version: int) -> LoraWeights:
+        return export_adapter(self.base_of[model_id], self.snapshots[model_id][version])
 
     def live_versions(self, model_id: str) -> list[int]:
         return list(self.snapshots.get(model_id, ()))

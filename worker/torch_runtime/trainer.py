@@ -181,6 +181,65 @@ class TorchTrainer(Trainer):
                 torch.save(trained.optimizer.state_dict(), Path(tmp) / "optimizer.pt")
             return str(write_archive(Path(tmp), paths.checkpoint_file(self.root, model_id, "weights", name, ".tar.gz")))
 
+    # -- durable checkpoints (worker/checkpointer.py) ---------------------------------------------
+
+    def save_durable(self, model_id: str, name: str, snapshots: dict[int, LoraWeights]) -> str:
+        """Adapter, AdamW state, pending gradients, LoRA config and each live snapshot's adapter, as one archive
+        (written under a temp name and renamed)."""
+        trained = self.models[model_id]
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp)
+            save_adapter(self.export_weights(model_id), out, trained.base.path)
+            state = {"model_id": model_id, "base_model": trained.base.name, "lora": trained.spec.model_dump(),
+                     "snapshots": sorted(snapshots)}
+            (out / STATE_FILE).write_text(json.dumps(state))
+            torch.save(trained.optimizer.state_dict(), out / "optimizer.pt")
+            grads = {i: p.grad.detach().cpu() for i, p in enumerate(trained.params) if p.grad is not None}
+            if grads:
+                torch.save(grads, out / "grads.pt")
+            for version, weights in snapshots.items():
+                (out / "snapshots" / str(version)).mkdir(parents=True)
+                save_adapter(weights, out / "snapshots" / str(version), trained.base.path)
+            return str(write_archive(out, paths.checkpoint_file(self.root, model_id, "durable", name, ".tar.gz")))
+
+    def load_durable(self, model_id: str, path: str) -> dict[int, LoraWeights]:
+        archive = paths.resolve(self.root, path, ".tar.gz")
+        self.remove_model(model_id)
+        with tempfile.TemporaryDirectory() as tmp:
+            directory = extract_archive(archive, Path(tmp) / "ckpt")
+            try:
+                state = json.loads((directory / STATE_FILE).read_text())
+                spec = LoraSpec.model_validate(state["lora"])
+                trained = self._add(model_id, self.bases.get(state["base_model"]), spec)
+                device = trained.base.device
+                import_adapter(trained.base, trained.adapter, load_adapter(directory))
+                trained.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True,
+                                                             map_location=device))
+                if (directory / "grads.pt").exists():
+                    params = trained.params
+                    for i, grad in torch.load(directory / "grads.pt", weights_only=True).items():
+                        params[int(i)].grad = grad.to(device=device, dtype=params[int(i)].dtype)
+                snapshots = {}
+                for version in state["snapshots"]:
+                    weights = load_adapter(directory / "snapshots" / str(version))
+                    snapshots[int(version)] = LoraWeights(weights.config,
+                                                          {k: v.to(device) for k, v in weights.tensors.items()})
+            except (OSError, ValueError, KeyError, IndexError, RuntimeError) as exc:
+                self.remove_model(model_id)
+                raise DomainError(400, "corrupt_checkpoint", f"{archive.name} is not a durable state: {exc}") from exc
+        return snapshots
+
+    def read_sampler_weights(self, path: str) -> LoraWeights:
+        """The adapter inside a sampler snapshot's archive (save_sampler_weights puts it in adapter/)."""
+        archive = paths.resolve(self.root, path, ".tar.gz")
+        with tempfile.TemporaryDirectory() as tmp:
+            directory = extract_archive(archive, Path(tmp) / "snap")
+            try:
+                weights = load_adapter(directory / "adapter")
+            except (OSError, ValueError, KeyError) as exc:
+                raise DomainError(400, "corrupt_checkpoint", f"{archive.name} holds no readable adapter: {exc}") from exc
+        return weights
+
     def load_state(self, request: LoadStateRequest) -> LoadStateOutput:
         archive = paths.resolve(self.root, request.path, ".tar.gz")
         with tempfile.TemporaryDirectory() as tmp:

@@ -67,6 +67,8 @@ class VllmEngine(Engine):
         self.base_of: dict[str, str] = {}
         # model -> version -> its vllm LoRARequest, or None where the base weights serve it (merged, untrained)
         self.snapshots: dict[str, OrderedDict[int, Any | None]] = {}
+        # model -> version -> the weights each live snapshot was made from, for durable checkpoints
+        self.weights: dict[str, dict[int, LoraWeights]] = {}
         self._request_ids = itertools.count()
         self.owner: dict[str, str] = {}  # merged mode: base -> the one model it serves
         self.base_weights: dict[str, dict[str, torch.Tensor]] = {}
@@ -97,14 +99,15 @@ class VllmEngine(Engine):
             raise DomainError(400, "unsupported", f"{request.base_model!r} ties its embeddings, so a merged "
                               "lm_head adapter cannot be served; use train_unembed=false or vllm_sync=lora")
 
-    def add_model(self, model_id: str, base_model: str, weights: LoraWeights) -> None:
+    def add_model(self, model_id: str, base_model: str, weights: LoraWeights, version: int = 0) -> None:
         self.remove_model(model_id)
         self._llm(base_model)
         self.base_of[model_id] = base_model
         self.snapshots[model_id] = OrderedDict()
+        self.weights[model_id] = {}
         if self.merged:
             self.owner[base_model] = model_id
-        self.apply_weights(model_id, 0, weights)
+        self.apply_weights(model_id, version, weights)
 
     def apply_weights(self, model_id: str, version: int, weights: LoraWeights) -> None:
         held = self.snapshots[model_id]
@@ -112,11 +115,25 @@ class VllmEngine(Engine):
             self._reload(self.base_of[model_id], weights)
             held.clear()  # the old weights are gone from the engine: older versions answer snapshot_evicted
             held[version] = None
+            self.weights[model_id] = {version: weights}
             return
-        lora = None if _is_identity(weights) else self._add_adapter(model_id, version, weights)
-        held[version] = lora  # an untrained adapter is served as the base model itself
+        self.restore_snapshot(model_id, version, weights)
         while len(held) > self.config.max_snapshots:
-            self._drop(model_id, held.popitem(last=False)[1])
+            evicted, lora = held.popitem(last=False)
+            self.weights[model_id].pop(evicted, None)
+            self._drop(model_id, lora)
+
+    def restore_snapshot(self, model_id: str, version: int, weights: LoraWeights) -> bool:
+        if self.merged:
+            return False  # the engine holds one model's latest merged weights only
+        lora = None if _is_identity(weights) else self._add_adapter(model_id, version, weights)
+        self.snapshots[model_id][version] = lora  # an untrained adapter is served as the base model itself
+        # The in-place path keeps these tensors for vLLM already (a slot's re-activation): holding them costs nothing.
+        self.weights[model_id][version] = weights
+        return True
+
+    def snapshot_weights(self, model_id: str, version: int) -> LoraWeights | None:
+        return self.weights.get(model_id, {}).get(version)
 
     def live_versions(self, model_id: str) -> list[int]:
         return list(self.snapshots.get(model_id, ()))
@@ -132,6 +149,7 @@ class VllmEngine(Engine):
 
     def remove_model(self, model_id: str) -> None:
         base = self.base_of.pop(model_id, None)
+        self.weights.pop(model_id, None)
         for lora in self.snapshots.pop(model_id, {}).values():
             self._drop(model_id, lora)
         if base is not None and self.owner.get(base) == model_id:
