@@ -44,7 +44,7 @@ from schemas import (  # noqa: E402
 )
 from tinkerq.config import QueueConfig, RuntimeConfig  # noqa: E402
 from commands.redis_server import EmbeddedRedis  # noqa: E402
-from worker.runtime.factory import build_runtime  # noqa: E402
+from worker.runtimes import build_runtime  # noqa: E402
 
 MODEL = "bench:train:0"
 

@@ -41,7 +41,7 @@ def worker(
 
     from tinkerq.config import RuntimeConfig
     from worker.main import WorkerProcess
-    from worker.runtime.factory import build_runtime
+    from worker.runtimes import build_runtime
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if runtime:

@@ -15,7 +15,7 @@ from redis import Redis
 from tinkerq.config import QueueConfig, RuntimeConfig
 from commands.redis_server import EmbeddedRedis
 from worker.main import WorkerProcess
-from worker.runtime.factory import build_runtime
+from worker.runtimes import build_runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 

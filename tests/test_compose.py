@@ -10,7 +10,7 @@ import typer.main
 import yaml
 
 from commands.cli import app
-from worker.runtime.factory import RUNTIMES
+from worker.runtimes import RUNTIMES
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = yaml.safe_load((ROOT / "docker-compose.yml").read_text())

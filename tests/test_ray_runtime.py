@@ -23,7 +23,7 @@ from schemas import (
 )
 from tinkerq.config import RuntimeConfig
 from worker.ray_runtime import cluster
-from worker.runtime.factory import build_runtime
+from worker.runtimes import build_runtime
 
 BASE = "tinyq-micro"
 TOLERANCE = 1e-5

@@ -1,4 +1,5 @@
-"""Assemble the torch runtime from settings: the torch trainer beside a vLLM or a PyTorch engine."""
+"""Assemble the torch runtime from settings (`worker/runtimes.py` picks it): the torch trainer beside a vLLM or a
+PyTorch engine; the Ray runtime's actors build their parts here too."""
 
 import dataclasses
 import importlib.util

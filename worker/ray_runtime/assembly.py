@@ -1,5 +1,5 @@
-"""Assemble the Ray runtime: join or start Ray, place the bundles, start the engine replicas and trainer ranks
-on them, and put the facades in front."""
+"""Assemble the Ray runtime (`worker/runtimes.py` picks it): join or start Ray, place the bundles, start the
+engine replicas and trainer ranks on them, and put the facades in front."""
 
 import logging
 import os
