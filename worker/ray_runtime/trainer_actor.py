@@ -95,7 +95,9 @@ class TrainerRank:
         """Every rank at once: add the forward_backward's gradients to the adapter's, summed micro-batch by
         micro-batch in the request's order (rank 0's first, `counts[r]` from rank r). Every rank gathers all
         of them and sums in that fixed order, so every rank holds the same gradient, equal to the in-process
-        trainer's (autograd accumulates its passes the same way; a ring all-reduce would add in another order)."""
+        trainer's (autograd accumulates its passes the same way; a ring all-reduce would add in another order).
+        The price: every rank holds one gradient copy per micro-batch of the request, fine for LoRA adapters;
+        full-weight training would want a fixed-order reduce-scatter instead."""
         params = self._params(model_id)
         mine = self._pending.pop(model_id, [])
         has = torch.tensor([any(g[k] is not None for g in mine) for k in range(len(params))], dtype=torch.int32)
