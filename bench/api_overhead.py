@@ -51,7 +51,7 @@ from producer import Producer  # noqa: E402
 from schemas import SampleRequest, SamplingParams  # noqa: E402
 from tinkerq import keys  # noqa: E402
 from tinkerq.config import QueueConfig  # noqa: E402
-from tinkerq.redis_server import EmbeddedRedis, free_port  # noqa: E402
+from commands.redis_server import EmbeddedRedis, free_port  # noqa: E402
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 PROTO_TYPE = "application/x-protobuf"
@@ -60,7 +60,7 @@ PROTO_TYPE = "application/x-protobuf"
 def start(args: list[str], env: dict[str, str], cpus: str | None = None) -> subprocess.Popen:
     pin = ["taskset", "-c", cpus] if cpus else []
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    return subprocess.Popen([*pin, sys.executable, "-m", "tinkerq.cli", *args], cwd=ROOT,
+    return subprocess.Popen([*pin, sys.executable, "-m", "commands.cli", *args], cwd=ROOT,
                             env={**os.environ, **env, "PYTHONPATH": path},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

@@ -36,11 +36,11 @@ from schemas import (  # noqa: E402
     OptimStepRequest,
 )
 from tinkerq.config import QueueConfig, RuntimeConfig  # noqa: E402
-from tinkerq.redis_server import EmbeddedRedis  # noqa: E402
+from commands.redis_server import EmbeddedRedis  # noqa: E402
 from worker.journal import Journal  # noqa: E402
 from worker.main import WorkerProcess  # noqa: E402
 from worker.restore import Restorer  # noqa: E402
-from worker.runtime.factory import build_runtime  # noqa: E402
+from worker.runtimes import build_runtime  # noqa: E402
 
 
 def datum(i: int, length: int) -> Datum:

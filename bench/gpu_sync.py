@@ -39,7 +39,7 @@ from schemas import (  # noqa: E402
     WeightSyncRequest,
 )
 from tinkerq.config import RuntimeConfig  # noqa: E402
-from worker.runtime.factory import build_runtime  # noqa: E402
+from worker.runtimes import build_runtime  # noqa: E402
 
 AWAY = [t + 20 for t in TARGET]  # another completion, trained on every other step
 MODES = {"lora": ("lora", True), "merged": ("merged", True), "lora-file": ("lora", False),
@@ -116,6 +116,8 @@ def run_mode(args, model_name: str, mode: str) -> dict:
             if i:
                 engine_ms.append(engine)
                 whole_ms.append(whole)
+        if args.profile and inplace:
+            version = profile_syncs(args, rt, model, version, f"{model_name}-{mode}")
         nbytes = written_bytes(rt, model, weights, sync == "merged")
         used_inplace = (rt.engine.writers.get(model_name) if sync == "merged" else rt.engine.slots.get(model_name))
     finally:
@@ -128,6 +130,35 @@ def run_mode(args, model_name: str, mode: str) -> dict:
             "min_gap_to_previous": min(c["gap_to_previous"] for c in checks),
             "served_right": all(c["gap_to_synced"] < c["gap_to_previous"] / 10 for c in checks),
             "checks": checks}
+
+
+def profile_syncs(args, rt, model: str, version: int, tag: str, n: int = 5) -> int:
+    """Where a whole sync's time goes: Python (cProfile, by own and cumulative time) and kernels (torch.profiler),
+    over `n` syncs after the timed ones, written to PROFILE/profile-TAG.txt. Returns the last version synced."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device != "cpu" else [])
+    python = cProfile.Profile()
+    with profile(activities=activities) as kernels:
+        for _ in range(n):
+            version += 1
+            python.enable()
+            rt.execute(WeightSyncRequest(model_id=model, version=version))
+            synchronize(args.device)
+            python.disable()
+    text = io.StringIO()
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(python, stream=text).sort_stats(order).print_stats(30)
+    sort = "cuda_time_total" if args.device != "cpu" else "cpu_time_total"
+    text.write(kernels.key_averages().table(sort_by=sort, row_limit=30))
+    out = Path(args.profile) / f"profile-{tag}.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text.getvalue())
+    return version
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -168,6 +199,7 @@ def main() -> None:
     parser.add_argument("--graphs", action="store_true", help="CUDA graphs on (default: eager)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--tag", default="")
+    parser.add_argument("--profile", default="", help="a folder: profile 5 more syncs of each in-place mode there")
     args = parser.parse_args()
     models = (args.models or ("tinyq-micro" if args.device == "cpu" else "randq-0.5b,randq-1.5b")).split(",")
     rows = [run_mode(args, m, mode) for m in models for mode in args.modes.split(",")]

@@ -36,7 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from schemas import CreateModelRequest, Datum, ForwardBackwardRequest, LoraConfig  # noqa: E402
 from tinkerq.local_models import LOCAL_MODELS  # noqa: E402
-from worker.torch_runtime.bases import BaseModels, LoadedBase  # noqa: E402
+from worker.torch_runtime.base_models import BaseModels, LoadedBase  # noqa: E402
 from worker.torch_runtime.packed_forward import TrainOptions  # noqa: E402
 from worker.torch_runtime.trainer import TorchTrainer  # noqa: E402
 

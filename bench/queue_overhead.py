@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from producer import Producer  # noqa: E402
 from schemas import CreateModelRequest, SampleRequest, SamplingParams  # noqa: E402
 from tinkerq.config import QueueConfig  # noqa: E402
-from tinkerq.redis_server import EmbeddedRedis  # noqa: E402
+from commands.redis_server import EmbeddedRedis  # noqa: E402
 
 BARE_QUEUE = "bench.bare"
 
@@ -107,7 +107,7 @@ def main() -> None:
         r.flushdb()
         config = QueueConfig(num_shards=1)
         producer = Producer(r, config)
-        procs = [bare_rq_worker(url), start(["-m", "tinkerq.cli", "worker", "--redis-url", url, "--log-level",
+        procs = [bare_rq_worker(url), start(["-m", "commands.cli", "worker", "--redis-url", url, "--log-level",
                                               "WARNING"], url, {"TINKERQ_NUM_SHARDS": "1"})]
         stack.callback(lambda: [p.terminate() for p in procs])
         assert producer.wait(producer.submit(CreateModelRequest(model_id="bench", base_model="ref")).request_id, 60)

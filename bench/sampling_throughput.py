@@ -43,8 +43,8 @@ from schemas import (  # noqa: E402
     WeightSyncRequest,
 )
 from tinkerq.config import QueueConfig, RuntimeConfig  # noqa: E402
-from tinkerq.redis_server import EmbeddedRedis  # noqa: E402
-from worker.runtime.factory import build_runtime  # noqa: E402
+from commands.redis_server import EmbeddedRedis  # noqa: E402
+from worker.runtimes import build_runtime  # noqa: E402
 
 MODEL = "bench:train:0"
 
@@ -115,7 +115,7 @@ class Queued:
         path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         env = {**os.environ, **settings, "PYTHONPATH": path, "TINKERQ_NUM_SHARDS": "1",
                "TINKERQ_CHECKPOINT_ROOT": str(tmp / "queue")}
-        self.worker = subprocess.Popen([sys.executable, "-m", "tinkerq.cli", "worker", "--redis-url", url,
+        self.worker = subprocess.Popen([sys.executable, "-m", "commands.cli", "worker", "--redis-url", url,
                                         "--log-level", "WARNING"], env=env, cwd=ROOT,
                                        stdout=subprocess.DEVNULL, stderr=self._log_file(tmp))
         self.producer = Producer(Redis.from_url(url), QueueConfig(num_shards=1))

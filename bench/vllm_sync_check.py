@@ -34,7 +34,7 @@ from schemas import (  # noqa: E402
     WeightSyncRequest,
 )
 from tinkerq.config import RuntimeConfig  # noqa: E402
-from worker.runtime.factory import build_runtime  # noqa: E402
+from worker.runtimes import build_runtime  # noqa: E402
 
 PROMPT = [5, 6, 7, 8, 9, 10]
 TARGET = [40, 41, 42, 43, 44, 45, 46, 47]
@@ -68,7 +68,9 @@ def check(args, sync: str, graphs: bool) -> list[dict]:
                            checkpoint_root=tempfile.mkdtemp(prefix="tinkerq-sync-check-"))
     rt = build_runtime(config)
     model = "check:train:0"
-    rt.execute(CreateModelRequest(model_id=model, base_model=args.model, lora=LoraConfig(rank=8, seed=0)))
+    unembed = sync == "lora"  # merged mode refuses an lm_head adapter on a tied base (the engine says why)
+    rt.execute(CreateModelRequest(model_id=model, base_model=args.model,
+                                  lora=LoraConfig(rank=8, seed=0, train_unembed=unembed)))
     rows = []
     try:
         for version in range(1, args.steps + 1):

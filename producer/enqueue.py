@@ -24,7 +24,7 @@ from schemas import (
     new_request_id,
 )
 from tinkerq import keys, queues
-from tinkerq.config import QueueConfig
+from tinkerq.config import LimitsConfig, QueueConfig
 from tinkerq.jobs import JOB_OF_KIND
 
 _ID_RE = re.compile(ID_PATTERN)
@@ -90,7 +90,7 @@ class Producer:
     def __init__(self, connection: Redis, config: QueueConfig | None = None, limits: Limits | None = None) -> None:
         self.connection = connection
         self.config = config or QueueConfig()
-        self.limits = limits or Limits()
+        self.limits = limits or LimitsConfig()
         keys.check_num_shards(connection, self.config.num_shards)
         self._waiter: ResultWaiter | None = None
         self._read_state = connection.register_script(_READ_STATE)

@@ -1,6 +1,6 @@
 """Configured bounds on what a request may ask for, checked before anything reaches a GPU."""
 
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict
 
 from schemas.requests import ForwardRequest, Request, SampleRequest
 
@@ -13,10 +13,11 @@ class LimitExceeded(ValueError):
         super().__init__(f"{field}={value} exceeds the limit of {limit} (set by {env})")
 
 
-class Limits(BaseSettings):
-    """Read from TINKERQ_* environment variables; the defaults suit a single small GPU."""
+class Limits(BaseModel):
+    """Plain data: the defaults suit a single small GPU. A deployment sets them as TINKERQ_* environment
+    variables, read by `tinkerq.config.LimitsConfig` (the one place that reads them)."""
 
-    model_config = SettingsConfigDict(env_prefix="TINKERQ_", frozen=True)
+    model_config = ConfigDict(frozen=True)
 
     max_num_samples: int = 128
     max_tokens: int = 4096

@@ -2,8 +2,6 @@
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,9 +11,10 @@ import pytest
 from redis import Redis
 
 from tinkerq.config import QueueConfig, RuntimeConfig
-from tinkerq.redis_server import EmbeddedRedis
+from commands.processes import TinkerqProc
+from commands.redis_server import EmbeddedRedis
 from worker.main import WorkerProcess
-from worker.runtime.factory import build_runtime
+from worker.runtimes import build_runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,46 +54,28 @@ def burst_worker(connection: Redis, config: QueueConfig, tmp_path: Path, **runti
     return WorkerProcess(connection, rt, config)
 
 
-class WorkerProc:
-    """A `tinkerq worker` in its own process, as users run it."""
+def log_dir(env: dict[str, str]) -> Path:
+    return Path(env.get("TINKERQ_CHECKPOINT_ROOT", "/tmp"))
+
+
+class WorkerProc(TinkerqProc):
+    """A `tinkerq worker` in its own process, as users run it; its log beside its checkpoints."""
 
     def __init__(self, redis_url: str, env: dict[str, str], args: list[str] = ()) -> None:
-        self.log = open(Path(env.get("TINKERQ_CHECKPOINT_ROOT", "/tmp")) / f"worker-{time.time_ns()}.log", "w+")
-        path = [str(ROOT), str(ROOT / "tests"), *filter(None, [env.get("PYTHONPATH")])]  # env may add to it
-        full_env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(path)}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tinkerq.cli", "worker", "--redis-url", redis_url, "--log-level", "WARNING", *args],
-            env=full_env, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
-        )
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.alive():
-            self.proc.send_signal(sig)
-            self.proc.wait(timeout=30)
+        super().__init__(["worker", "--redis-url", redis_url, "--log-level", "WARNING", *args], env, log_dir(env),
+                         python_path=[str(ROOT / "tests")])
 
 
-class ApiProc(WorkerProc):
+class ApiProc(TinkerqProc):
     """`tinkerq api` on a free port, as users run it."""
 
     def __init__(self, redis_url: str, env: dict[str, str], args: tuple[str, ...] = ()) -> None:
-        from tinkerq.redis_server import free_port
+        from commands.redis_server import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(Path(env.get("TINKERQ_CHECKPOINT_ROOT", "/tmp")) / f"api-{time.time_ns()}.log", "w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tinkerq.cli", "api", "--redis-url", redis_url, "--port", str(self.port),
-             "--log-level", "warning", *args],
-            env={**os.environ, **env, "PYTHONPATH": str(ROOT)}, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
-        )
+        super().__init__(["api", "--redis-url", redis_url, "--port", str(self.port), "--log-level", "warning", *args],
+                         env, log_dir(env))
         import urllib.request
 
         deadline = time.monotonic() + 30

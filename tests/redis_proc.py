@@ -9,7 +9,7 @@ from pathlib import Path
 from redis import Redis
 from redis.exceptions import RedisError
 
-from tinkerq.redis_server import free_port
+from commands.redis_server import free_port
 
 
 class RedisProc:

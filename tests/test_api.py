@@ -328,7 +328,7 @@ def test_concurrent_submissions_share_one_transaction_and_keep_their_own_outcome
 
 
 def test_a_lost_redis_is_a_503_with_a_message_and_the_api_recovers(config):
-    from tinkerq.redis_server import EmbeddedRedis
+    from commands.redis_server import EmbeddedRedis
 
     server = EmbeddedRedis().start()
     try:
@@ -352,7 +352,7 @@ def test_the_app_stops_within_seconds_whatever_redis_does(config, outage):
     import signal
     import time
 
-    from tinkerq.redis_server import EmbeddedRedis
+    from commands.redis_server import EmbeddedRedis
 
     server = EmbeddedRedis().start()
     client = TestClient(create_app(server.url, ApiSettings(api_keys="tml-good", long_poll_s=5), config))
@@ -421,7 +421,7 @@ def test_content_type_and_size_limits_say_415_and_413(api):
 
 
 def test_healthz_says_503_while_redis_is_down(config):
-    from tinkerq.redis_server import EmbeddedRedis
+    from commands.redis_server import EmbeddedRedis
 
     server = EmbeddedRedis().start()
     try:

@@ -9,8 +9,8 @@ import pytest
 import typer.main
 import yaml
 
-from tinkerq.cli import app
-from worker.runtime.factory import RUNTIMES
+from commands.cli import app
+from worker.runtimes import RUNTIMES
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = yaml.safe_load((ROOT / "docker-compose.yml").read_text())

@@ -17,7 +17,7 @@ import pytest
 from producer import Producer
 from schemas import CreateModelRequest, SampleRequest
 from tinkerq import keys
-from tinkerq.redis_server import free_port
+from commands.redis_server import free_port
 
 pytestmark = pytest.mark.slow
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "dashboard"

@@ -16,7 +16,7 @@ from worker.journal import Journal
 
 def cli(redis_url: str, config, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     env = {**os.environ, "TINKERQ_NUM_SHARDS": str(config.num_shards), "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "tinkerq.cli", *args, "--redis-url", redis_url], env=env,
+    return subprocess.run([sys.executable, "-m", "commands.cli", *args, "--redis-url", redis_url], env=env,
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 

@@ -32,7 +32,7 @@ from tinkerq.config import QueueConfig, RuntimeConfig
 from worker.fencing import Fence, FencedOut
 from worker.journal import Journal
 from worker.restore import Restorer
-from worker.runtime.factory import build_runtime
+from worker.runtimes import build_runtime
 
 BASE = "tinyq-micro"
 PROMPT = [5, 6, 7, 8]

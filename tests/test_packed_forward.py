@@ -17,7 +17,7 @@ from schemas import CreateModelRequest, Datum, ForwardBackwardRequest, ForwardRe
 from schemas.requests import STABLE_LOGPROBS, STABLE_MASK
 from worker.runtime.base import DomainError
 from worker.torch_runtime import losses
-from worker.torch_runtime.bases import BaseModels
+from worker.torch_runtime.base_models import BaseModels
 from worker.torch_runtime.packed_forward import TrainOptions
 from worker.torch_runtime.packing import plan
 from worker.torch_runtime.trainer import TorchTrainer

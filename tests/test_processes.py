@@ -17,7 +17,7 @@ from producer import Producer
 from schemas import CreateModelRequest, ErrorResponse, SampleOutput, SampleRequest, WeightSyncRequest
 from tinkerq import keys
 from tinkerq.config import QueueConfig
-from tinkerq.redis_server import free_port
+from commands.redis_server import free_port
 from worker.fencing import Fence, FencedOut
 
 pytestmark = pytest.mark.slow

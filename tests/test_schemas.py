@@ -83,10 +83,12 @@ def test_limit_errors_name_field_and_limit(request_, field, limit_env):
 
 
 def test_limits_read_from_environment(monkeypatch):
+    from tinkerq.config import LimitsConfig  # schemas/ reads no environment: the deployment's config does
+
     monkeypatch.setenv("TINKERQ_MAX_NUM_SAMPLES", "2")
     with pytest.raises(LimitExceeded, match="limit of 2"):
-        Limits().check(sample(num_samples=3))
-    Limits().check(sample(num_samples=2))
+        LimitsConfig().check(sample(num_samples=3))
+    LimitsConfig().check(sample(num_samples=2))
 
 
 def test_results_round_trip_through_json():

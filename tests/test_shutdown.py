@@ -125,3 +125,45 @@ def test_sigterm_on_an_idle_worker_with_redis_up_stops_at_once(server, worker):
     r = connect(server.url)
     held = [s for s in range(CONFIG.num_shards) if r.exists(keys.lease_key(s))]
     assert held == [], f"a clean stop releases its leases at once; still held: {held}"
+
+
+@pytest.mark.parametrize("outage", ["frozen", "down"])
+def test_the_producer_library_stops_within_seconds_whatever_redis_does(server, outage):
+    """`Producer.wait` and `Producer.close` are bounded on a caller's client that has no socket timeouts: a frozen
+    Redis (SIGSTOPped) held both forever, a read with no deadline."""
+    import threading
+
+    from redis import Redis, RedisError
+
+    # a caller's client with no timeouts (redis-py before 8 has none by default)
+    producer = Producer(Redis.from_url(server.url, socket_timeout=None, socket_connect_timeout=None), CONFIG)
+    assert producer.wait("r-warm", 0.1) is None  # the listener is up
+    server.freeze() if outage == "frozen" else server.kill()
+    outcome: list[object] = []
+
+    def wait(timeout: float = 2.0) -> None:
+        try:
+            outcome.append(producer.wait("r-never", timeout))
+        except RedisError as exc:
+            outcome.append(exc)
+
+    try:
+        waiter = threading.Thread(target=wait, daemon=True)
+        started = time.monotonic()
+        waiter.start()
+        waiter.join(timeout=DEADLINE_S)
+        assert not waiter.is_alive(), f"Producer.wait(timeout=2) still blocked {DEADLINE_S:g} s later ({outage})"
+        assert isinstance(outcome[0], RedisError), outcome  # an unreachable Redis is an error, not "no result yet"
+        pending = threading.Thread(target=wait, args=(60.0,), daemon=True)
+        pending.start()
+        time.sleep(0.2)
+        closer = threading.Thread(target=producer.close, daemon=True)
+        closer.start()
+        closer.join(timeout=DEADLINE_S)
+        assert not closer.is_alive(), f"Producer.close() still blocked {DEADLINE_S:g} s later ({outage})"
+        pending.join(timeout=DEADLINE_S)
+        assert not pending.is_alive(), "a wait pending at close() did not return with it"
+        assert time.monotonic() - started < 2 * DEADLINE_S
+    finally:
+        if outage == "frozen":
+            server.thaw()

@@ -24,7 +24,7 @@ from schemas import (
 )
 from tinkerq.config import RuntimeConfig
 from worker.runtime import DomainError
-from worker.runtime.factory import build_runtime
+from worker.runtimes import build_runtime
 
 BASE = "tinyq-micro"
 PROMPT = [5, 6, 7, 8, 9, 10]
@@ -367,7 +367,7 @@ def test_a_sliding_window_model_runs_each_batch_as_it_started_and_samples_exactl
 
 
 def test_dtype_auto_is_bfloat16_on_a_gpu_and_float32_on_the_cpu():
-    from worker.torch_runtime.bases import resolve_dtype
+    from worker.torch_runtime.base_models import resolve_dtype
 
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32

@@ -36,7 +36,7 @@ from schemas import (
 from tinkerq import keys
 from tinkerq.config import RuntimeConfig
 from worker.main import WorkerProcess
-from worker.runtime.factory import build_runtime
+from worker.runtimes import build_runtime
 
 M = "untrusted:train:0"
 WAIT_S = 20

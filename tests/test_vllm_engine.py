@@ -32,7 +32,7 @@ from schemas import (  # noqa: E402
 )
 from tinkerq.config import RuntimeConfig  # noqa: E402
 from worker.runtime import DomainError, Runtime  # noqa: E402
-from worker.torch_runtime.bases import BaseModels  # noqa: E402
+from worker.torch_runtime.base_models import BaseModels  # noqa: E402
 from worker.torch_runtime.engine import TorchEngine  # noqa: E402
 from worker.torch_runtime.trainer import TorchTrainer  # noqa: E402
 from worker.vllm_runtime.engine import VllmEngine  # noqa: E402

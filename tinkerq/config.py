@@ -3,6 +3,8 @@
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from schemas import Limits
+
 
 class QueueConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TINKERQ_", frozen=True)
@@ -69,5 +71,30 @@ class RuntimeConfig(BaseSettings):
     # None: CUDA graphs on a GPU (3.7-9x the tokens/s of eager on the H200; capturing them slows start-up),
     # eager on the CPU.
     vllm_enforce_eager: bool | None = None
+    # Tokens per pass through the trainer's model (gradients accumulate over passes); 0: the trainer's default
+    # (16384). The Ray runtime's data-parallel ranks split a forward_backward along these same passes.
+    train_micro_batch_tokens: int = Field(0, ge=0)
+    # torch's intra-op CPU threads in each process of the runtime (the in-process worker, each Ray actor); 0: as
+    # torch (or Ray, 1 per actor) sets them. CPU kernels split their sums over threads, so equal counts give
+    # bitwise-equal results across runtimes (tests/test_ray_runtime.py compares them).
+    torch_threads: int = Field(0, ge=0)
+    # One worker across many devices, on Ray (worker/ray_runtime): the bundles of its placement group (one GPU
+    # each where the cluster has GPUs, else one CPU each); 0, with no ray_address, is the in-process runtime.
+    ray_gpus: int = Field(0, ge=0)
+    # Join this Ray cluster ("auto": the one on this host; "ray://head:10001"); empty: start a local one.
+    ray_address: str = ""
+    # The Ray namespace of this worker's actors, named engine-<i> and trainer-<i> in it (ray.get_actor finds
+    # them: operators, the fault tests); empty: tinkerq-<host>-<pid>, one per worker process.
+    ray_namespace: str = ""
+    ray_engine_replicas: int = Field(0, ge=0, description="0: one per bundle")
+    ray_trainer_ranks: int = Field(0, ge=0, description="0: one per bundle")
+    ray_max_restarts: int = Field(16, ge=0, description="times Ray restarts a dead engine replica")
+    ray_num_cpus: int = Field(0, ge=0, description="CPUs of a local Ray cluster; 0: the host's (at least the bundles)")
     # Test aid for the reference engine: simulated generation time per token.
     reference_delay_per_token_s: float = Field(0.0, ge=0.0)
+
+
+class LimitsConfig(BaseSettings, Limits):
+    """The deployment's `Limits`, from TINKERQ_MAX_* environment variables (schemas/ reads no environment)."""
+
+    model_config = SettingsConfigDict(env_prefix="TINKERQ_", frozen=True)

@@ -28,7 +28,7 @@ from schemas import (
     WeightSyncOutput,
 )
 from tinkerq import keys
-from tinkerq.config import QueueConfig
+from tinkerq.config import LimitsConfig, QueueConfig
 from worker import batching
 from worker.admission import Admission, Refused
 from worker.checkpointer import Checkpointer
@@ -57,7 +57,7 @@ class Dispatcher:
         self.runtime = runtime
         self.fence = fence
         self.config = config
-        self.admission = Admission(config, limits or Limits())
+        self.admission = Admission(config, limits or LimitsConfig())
         self.batcher = batching.Batcher(connection, config.rq_result_ttl_s, self.admission)
         self.stability = StabilityRecords(connection, config.stability_ttl_s)
         self.stopping = threading.Event()  # set when the worker is asked to stop: running batches admit no more

@@ -11,13 +11,13 @@ from redis.asyncio import Redis as AsyncRedis
 
 from producer.api import handlers
 from producer.api.deps import Deps
-from producer.api.limits import BodySizeLimit
+from producer.api.body_limit import BodySizeLimit
 from producer.api.metrics import Metrics, ObserveLatency
 from producer.api.routes import ROUTERS
 from producer.api.settings import ApiSettings
 from producer.api.state import ApiState
 from producer.api.submitter import GroupSubmitter
-from producer.api.waiter import AsyncResultWaiter
+from producer.api.long_poll import AsyncResultWaiter
 from producer.enqueue import Producer
 from tinkerq.catalog import BaseModelCatalog
 from tinkerq.config import QueueConfig

@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from producer.api.errors import ApiError
+from producer.api.http_errors import ApiError
 from schemas import (
     AdamParams,
     CreateCustomLossRequest,

@@ -8,13 +8,13 @@ from typing import Annotated
 from fastapi import Depends, Request
 from pydantic import ValidationError
 
-from producer.api.errors import ApiError
+from producer.api.http_errors import ApiError
 from producer.errors import Rejected
 from producer.api.metrics import Metrics
 from producer.api.settings import ApiSettings
 from producer.api.state import ApiState
 from producer.api.submitter import GroupSubmitter
-from producer.api.waiter import AsyncResultWaiter
+from producer.api.long_poll import AsyncResultWaiter
 from producer.enqueue import Producer, Ticket
 from schemas import CustomLoss
 from schemas import Request as QueueRequest

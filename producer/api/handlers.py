@@ -11,7 +11,7 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
 from producer.api import proto
-from producer.api.errors import ApiError, error_response, rejected_response
+from producer.api.http_errors import ApiError, error_response, rejected_response
 from producer.errors import Rejected
 
 log = logging.getLogger("tinkerq.api")

@@ -9,7 +9,7 @@ from google.protobuf.message import DecodeError
 from pydantic import ValidationError
 from tinker.proto import tinker_public_pb2 as pb
 
-from producer.api.errors import ApiError
+from producer.api.http_errors import ApiError
 from schemas import CustomLoss, Datum, ForwardBackwardOutput, ForwardBackwardRequest, ForwardRequest, SampleOutput
 
 _DTYPES = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}

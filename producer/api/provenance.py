@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from tinker.proto import tinker_public_pb2 as pb
 
-from producer.api.errors import ApiError
+from producer.api.http_errors import ApiError
 from schemas import Datum, RecordedSequence
 from schemas.requests import STABLE_LOGPROBS, STABLE_MASK
 from tinkerq import keys

@@ -3,7 +3,7 @@
 from fastapi.responses import JSONResponse, Response
 
 from producer.api import proto
-from producer.api.errors import ApiError
+from producer.api.http_errors import ApiError
 from schemas import Result
 
 

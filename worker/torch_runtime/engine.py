@@ -5,7 +5,7 @@ from collections import OrderedDict, defaultdict
 
 from schemas import ErrorResponse, GeneratedSequence, SampleOutput, SampleRequest, TopkLogprobs
 from worker.runtime.base import Admit, Done, Engine, Keyed, check_fits, in_order, servable
-from worker.torch_runtime.bases import BASE_ADAPTER, BaseModels, LoadedBase, adapter_name
+from worker.torch_runtime.base_models import BASE_ADAPTER, BaseModels, LoadedBase, adapter_name
 from worker.torch_runtime.lora_io import LoraWeights, export_adapter, import_adapter
 from worker.torch_runtime.sampler import Row, Sampler
 

@@ -10,7 +10,7 @@ from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dic
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file, save_file
 
-from worker.torch_runtime.bases import LoadedBase
+from worker.torch_runtime.base_models import LoadedBase
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 

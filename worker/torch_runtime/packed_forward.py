@@ -20,7 +20,7 @@ from schemas import ForwardRequest
 from worker.runtime.base import DomainError
 from worker.torch_runtime import losses
 from worker.torch_runtime.activation_checkpointing import checkpointed, layer_bytes_per_token, layers_to_checkpoint
-from worker.torch_runtime.bases import LoadedBase
+from worker.torch_runtime.base_models import LoadedBase
 from worker.torch_runtime.lora_compute import lean_lora
 from worker.torch_runtime.packed_attention import packed
 from worker.torch_runtime.packing import Flat, MicroBatch, flatten, micro_batches

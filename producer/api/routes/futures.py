@@ -5,7 +5,7 @@ from fastapi.responses import Response
 
 from producer.api import bodies
 from producer.api.deps import Authorized, DepsParam
-from producer.api.errors import ApiError
+from producer.api.http_errors import ApiError
 from producer.api.render import render
 from schemas import ErrorResponse, parse_result
 

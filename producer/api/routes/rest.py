@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 from fastapi import APIRouter, Query
 
 from producer.api.deps import Authorized, DepsParam
-from producer.api.errors import ApiError
+from producer.api.http_errors import ApiError
 from schemas import CheckpointRecord, DeleteCheckpointRequest
 from tinkerq.uris import parse_tinker_uri, tinker_uri
 

@@ -4,7 +4,7 @@ from fastapi import APIRouter
 
 from producer.api import bodies
 from producer.api.deps import Authorized, DepsParam
-from producer.api.errors import ApiError
+from producer.api.http_errors import ApiError
 from producer.api.ids import derived_id
 from schemas.ids import base_model_id
 from tinkerq.uris import parse_tinker_uri

@@ -9,7 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
 from producer.api.deps import Authorized, DepsParam
-from producer.api.errors import error_response
+from producer.api.http_errors import error_response
 
 public = APIRouter(prefix="/api/v1")
 router = APIRouter(prefix="/api/v1", dependencies=Authorized)

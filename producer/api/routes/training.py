@@ -4,7 +4,7 @@ from fastapi import APIRouter, Request
 
 from producer.api import bodies, proto, provenance
 from producer.api.deps import Authorized, DepsParam, ProtoAuthorized
-from producer.api.errors import ApiError
+from producer.api.http_errors import ApiError
 from producer.api.ids import derived_id
 from tinkerq.uris import tinker_uri
 

@@ -2,7 +2,7 @@
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from producer.api.errors import error_response
+from producer.api.http_errors import error_response
 
 
 class BodyTooLarge(BaseException):

@@ -28,7 +28,7 @@ from schemas import (
     SamplingParams,
     WeightSyncRequest,
 )
-from tinkerq.demo import wait_ok
+from commands.demo import wait_ok
 from tinkerq.local_models import corpus, resolve
 
 PROMPTS, GROUP, MAX_TOKENS = 8, 8, 12

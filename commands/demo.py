@@ -1,8 +1,7 @@
 """`tinkerq demo`: a worker plus a producer-side loop, on an embedded Redis when none is configured."""
 
 import os
-import subprocess
-import sys
+import signal
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -20,14 +19,13 @@ from schemas import (
     WeightSyncRequest,
 )
 from tinkerq.config import QueueConfig
-from tinkerq.redis_server import EmbeddedRedis
+from commands.processes import TinkerqProc
+from commands.redis_server import EmbeddedRedis
 
 
-def start_worker(redis_url: str, runtime: str, workdir: Path) -> subprocess.Popen:
-    log = open(workdir / "worker.log", "w")
-    env = {**os.environ, "TINKERQ_RUNTIME": runtime, "TINKERQ_CHECKPOINT_ROOT": str(workdir / "checkpoints")}
-    return subprocess.Popen([sys.executable, "-m", "tinkerq.cli", "worker", "--redis-url", redis_url],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
+def start_worker(redis_url: str, runtime: str, workdir: Path) -> TinkerqProc:
+    env = {"TINKERQ_RUNTIME": runtime, "TINKERQ_CHECKPOINT_ROOT": str(workdir / "checkpoints")}
+    return TinkerqProc(["worker", "--redis-url", redis_url], env, workdir)
 
 
 def wait_ok(producer: Producer, request_id: str, timeout: float = 600):
@@ -66,16 +64,15 @@ def run(runtime: str, steps: int, workdir: Path, model: str = "tinyq-micro") -> 
             url = stack.enter_context(EmbeddedRedis()).url
             print(f"no REDIS_URL: started an embedded redis-server at {url}")
         worker = start_worker(url, runtime, workdir)
-        stack.callback(worker.wait, 30)
-        stack.callback(worker.terminate)
+        stack.callback(worker.kill, signal.SIGTERM)
         producer = Producer(Redis.from_url(url), QueueConfig())
         stack.callback(producer.close)
-        print(f"worker pid {worker.pid} (log: {workdir / 'worker.log'}); watch it with `make dashboard`")
+        print(f"worker pid {worker.proc.pid} (log: {worker.log_path}); watch it with `make dashboard`")
         started = time.monotonic()
         if runtime == "reference":
             ordering_demo(producer, steps)
         else:
-            from tinkerq.rl_demo import rl_loop
+            from commands.rl_demo import rl_loop
 
             rl_loop(producer, model, steps, workdir)
         print(f"done in {time.monotonic() - started:.1f}s")

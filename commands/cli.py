@@ -28,6 +28,11 @@ def worker(
     runtime: Annotated[Optional[str], typer.Option(
         help="auto (torch: a real model) | torch | reference (the test stand-in) | module:factory")] = None,
     engine: Annotated[Optional[str], typer.Option(help="torch runtime's engine: auto | vllm | torch")] = None,
+    gpus: Annotated[Optional[int], typer.Option(
+        min=1, help="span this many devices on Ray (the ray runtime): one bundle each of a placement group "
+                    "(GPUs where the cluster has them, else CPUs)")] = None,
+    ray_address: Annotated[Optional[str], typer.Option(
+        help="join this Ray cluster (auto: the one on this host; ray://head:10001) rather than start one")] = None,
     burst: Annotated[bool, typer.Option(help="exit once the queues are empty")] = False,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING")] = "INFO",
 ) -> None:
@@ -36,15 +41,35 @@ def worker(
 
     from tinkerq.config import RuntimeConfig
     from worker.main import WorkerProcess
-    from worker.runtime.factory import build_runtime
+    from worker.runtimes import build_runtime
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if runtime:
         os.environ["TINKERQ_RUNTIME"] = runtime
     if engine:
         os.environ["TINKERQ_ENGINE"] = engine
-    process = WorkerProcess(Redis.from_url(redis_url), build_runtime(RuntimeConfig()), shards=_shards(shards))
-    process.run(burst=burst, logging_level=log_level)
+    if gpus:
+        os.environ["TINKERQ_RAY_GPUS"] = str(gpus)
+    if ray_address:
+        os.environ["TINKERQ_RAY_ADDRESS"] = ray_address
+    loaded = build_runtime(RuntimeConfig())
+    try:
+        process = WorkerProcess(Redis.from_url(redis_url), loaded, shards=_shards(shards))
+        process.run(burst=burst, logging_level=log_level)
+    finally:
+        _close(loaded.engine)
+
+
+def _close(engine, timeout_s: float = 30.0) -> None:
+    """Release the engine's processes (vLLM's, Ray's actors and cluster), bounded: a wedged one must not keep
+    the worker from exiting."""
+    import threading
+
+    closing = threading.Thread(target=engine.close, name="tinkerq-close", daemon=True)
+    closing.start()
+    closing.join(timeout_s)
+    if closing.is_alive():
+        logging.getLogger(__name__).warning("the engine did not close in %.0f s; exiting without it", timeout_s)
 
 
 @app.command()
@@ -75,7 +100,7 @@ def demo(
     """Start a worker (and a Redis, if REDIS_URL is unset) and run a short loop through the queue."""
     from pathlib import Path
 
-    from tinkerq.demo import run
+    from commands.demo import run
 
     run(runtime, steps, Path(workdir), model)
 

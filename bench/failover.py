@@ -1,0 +1,177 @@
+"""How long a dead worker's requests wait: SIGKILL of the shard owner to the first result served by the standby.
+
+    python bench/failover.py [--rounds 5] [--lease-ttl-ms 3000] [--train-steps 5] [--runtime reference]
+
+Each round, on a private redis-server: worker A takes every shard, worker B stands by; a model is created and
+trained `--train-steps` steps (forward_backward + optim_step) and synced, so the standby must rebuild it from its
+journal before it can serve. Then samples of the model arrive every 20 ms, A is SIGKILLed, and the clock runs from
+the kill to the first stored result of a sample submitted after it (served by B: A is gone). The target (issue 17)
+is at most 2x the lease TTL: a standby cannot take a shard before the dead owner's lease lapses. Every sample
+submitted around the kill must get exactly one result, none an error. Prints a table and writes
+bench/results/failover.json and a PNG of the per-round times against the TTL.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from redis import Redis
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from commands.processes import TinkerqProc  # noqa: E402
+from commands.redis_server import EmbeddedRedis  # noqa: E402
+from producer import Producer  # noqa: E402
+from schemas import (  # noqa: E402
+    CreateModelRequest,
+    Datum,
+    ErrorResponse,
+    ForwardBackwardRequest,
+    OptimStepRequest,
+    SampleRequest,
+    SamplingParams,
+    WeightSyncRequest,
+)
+from tinkerq import keys  # noqa: E402
+from tinkerq.config import QueueConfig  # noqa: E402
+from tinkerq.shards import shard_rows  # noqa: E402
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def served(producer: Producer, request_id: str, timeout_s: float = 120):
+    out = producer.wait(request_id, timeout_s)
+    if out is None or isinstance(out, ErrorResponse):
+        raise RuntimeError(f"{request_id}: {out}")
+    return out
+
+
+def train(producer: Producer, model: str, steps: int, base: str) -> None:
+    ops = [CreateModelRequest(model_id=model, base_model=base)]
+    for step in range(steps):
+        ops += [ForwardBackwardRequest(model_id=model, seq_id=2 * step + 1, data=[Datum(model_input=[1, 2, 3])]),
+                OptimStepRequest(model_id=model, seq_id=2 * step + 2)]
+    ops.append(WeightSyncRequest(model_id=model))
+    for ticket in [producer.submit(op) for op in ops]:
+        served(producer, ticket.request_id)
+
+
+def one_round(args, redis: Redis, url: str, workdir: Path, index: int) -> dict:
+    config = QueueConfig(num_shards=args.shards, lease_ttl_ms=args.lease_ttl_ms)
+    env = {"TINKERQ_RUNTIME": args.runtime, "TINKERQ_NUM_SHARDS": str(args.shards),
+           "TINKERQ_LEASE_TTL_MS": str(args.lease_ttl_ms), "TINKERQ_CHECKPOINT_ROOT": str(workdir)}
+    redis.flushdb()
+    owner = TinkerqProc(["worker", "--redis-url", url, "--log-level", "WARNING"], env, workdir)
+    standby = None
+    producer = Producer(redis, config)
+    try:
+        wait_until(lambda: all(r.owner for r in shard_rows(redis, args.shards)), 60, "A's leases")
+        standby = TinkerqProc(["worker", "--redis-url", url, "--log-level", "WARNING"], env, workdir)
+        model = f"failover:train:{index}"
+        train(producer, model, args.train_steps, args.base)
+        sample = SampleRequest(model_id=model, prompt_tokens=[1, 2], sampling_params=SamplingParams(max_tokens=2))
+        tickets: list[tuple[float, str]] = []
+        stop = threading.Event()
+
+        def stream() -> None:
+            while not stop.is_set():
+                tickets.append((time.monotonic(), producer.submit(sample).request_id))
+                time.sleep(0.02)
+
+        feeder = threading.Thread(target=stream, daemon=True)
+        feeder.start()
+        time.sleep(0.5)
+        killed = time.monotonic()
+        owner.kill()
+        after = None
+        while after is None and time.monotonic() - killed < 120:  # the first post-kill sample with a result
+            for submitted, rid in list(tickets):
+                if submitted > killed and redis.exists(keys.result_key(rid)):
+                    after = time.monotonic()
+                    break
+            time.sleep(0.005)
+        time.sleep(0.5)
+        stop.set()
+        feeder.join(5)
+        outs = [producer.wait(rid, 120) for _, rid in tickets]
+        errors = [o.code for o in outs if isinstance(o, ErrorResponse)]
+        lost = sum(o is None for o in outs)
+        return {"round": index, "first_result_s": None if after is None else after - killed,
+                "samples": len(tickets), "errors": errors, "lost": lost}
+    finally:
+        producer.close()
+        for proc in (owner, standby):
+            if proc is not None:
+                proc.kill()
+
+
+def plot(rows: list[dict], ttl_s: float, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar([r["round"] for r in rows], [r["first_result_s"] or 0 for r in rows], label="SIGKILL → first result")
+    ax.axhline(ttl_s, color="gray", linestyle="--", label="lease TTL")
+    ax.axhline(2 * ttl_s, color="red", linestyle=":", label="target: 2 × TTL")
+    ax.set_xlabel("round")
+    ax.set_ylabel("seconds")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--lease-ttl-ms", type=int, default=3000)
+    parser.add_argument("--shards", type=int, default=8)
+    parser.add_argument("--train-steps", type=int, default=5)
+    parser.add_argument("--runtime", default="reference")
+    parser.add_argument("--base", default="ref")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "failover.json"))
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="tinkerq-failover-"))
+    rows = []
+    with EmbeddedRedis() as server:
+        redis = Redis.from_url(server.url)
+        for index in range(args.rounds):
+            rows.append(one_round(args, redis, server.url, workdir, index))
+            r = rows[-1]
+            print(f"round {index}: first result {r['first_result_s']:.2f} s after SIGKILL; {r['samples']} samples, "
+                  f"{len(r['errors'])} errors, {r['lost']} without a result", flush=True)
+    ttl_s = args.lease_ttl_ms / 1000
+    times = [r["first_result_s"] for r in rows if r["first_result_s"] is not None]
+    summary = {"lease_ttl_s": ttl_s, "median_s": statistics.median(times), "max_s": max(times),
+               "max_over_ttl": max(times) / ttl_s, "errors": sum(len(r["errors"]) for r in rows),
+               "lost": sum(r["lost"] for r in rows)}
+    print(f"\n{'lease TTL s':>11} {'median s':>9} {'max s':>7} {'max / TTL':>9} {'errors':>6} {'lost':>5}")
+    print(f"{ttl_s:11.1f} {summary['median_s']:9.2f} {summary['max_s']:7.2f} {summary['max_over_ttl']:9.2f} "
+          f"{summary['errors']:6d} {summary['lost']:5d}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"workload": vars(args), "machine": platform.node(), "summary": summary,
+                               "rounds": rows}, indent=2))
+    print(f"wrote {out}")
+    plot(rows, ttl_s, out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""The Ray runtime (2 engine replicas, 2 data-parallel trainer ranks on a real local Ray cluster) serves what
+the in-process runtime serves: the same tokens, sampled logprobs to 1e-5 in float32, and from the trainer the
+very same logprobs, losses and adapters (data parallelism runs the in-process trainer's own micro-batches and
+sums their gradients in its order: worker/ray_runtime/data_parallel.py)."""
+
+
+import pytest
+import ray  # the `ray` extra is part of `make test`: a missing one fails here, never skips
+import torch
+
+from schemas import (
+    AdamParams,
+    CreateModelRequest,
+    Datum,
+    ForwardBackwardRequest,
+    ForwardRequest,
+    LoraConfig,
+    OptimStepRequest,
+    SampleOutput,
+    SampleRequest,
+    SamplingParams,
+    WeightSyncRequest,
+)
+from tinkerq.config import RuntimeConfig
+from worker.ray_runtime import cluster
+from worker.runtimes import build_runtime
+
+BASE = "tinyq-micro"
+TOLERANCE = 1e-5
+# 20 tokens a pass: the 8 datums of a step make 4 micro-batches, 2 per rank (a run of several on each rank)
+MICRO_BATCH_TOKENS = 20
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23], [30, 31]]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local Ray cluster for the module (starting one costs seconds), shut down in bounded time (another
+    module joins a cluster of its own)."""
+    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=256 * 2**20, log_to_driver=False)
+    yield
+    cluster.disconnect()
+
+
+def config(root, **extra) -> RuntimeConfig:
+    # One torch thread everywhere: CPU kernels split their sums over threads, so the in-process runtime and the
+    # actors compute bitwise alike only at equal thread counts (Ray gives each actor 1).
+    return RuntimeConfig(runtime=extra.pop("runtime", "torch"), engine="torch", device="cpu", dtype="float32",
+                         checkpoint_root=str(root), max_snapshots=3, train_micro_batch_tokens=MICRO_BATCH_TOKENS,
+                         torch_threads=1, **extra)
+
+
+@pytest.fixture(scope="module")
+def runtimes(ray_cluster, tmp_path_factory):
+    """The in-process runtime and the Ray one, side by side."""
+    threads = torch.get_num_threads()  # the in-process runtime sets this process's; given back after
+    local = build_runtime(config(tmp_path_factory.mktemp("local")))
+    distributed = build_runtime(config(tmp_path_factory.mktemp("ray"), runtime="auto", ray_gpus=2))
+    yield local, distributed
+    distributed.engine.close()
+    torch.set_num_threads(threads)
+
+
+def create(rt, model_id: str) -> None:
+    rt.execute(CreateModelRequest(model_id=model_id, base_model=BASE, lora=LoraConfig(rank=4, seed=3,
+                                                                                      train_unembed=True)))
+
+
+def requests(model_id: str, version: int) -> list[SampleRequest]:
+    return [SampleRequest(model_id=model_id, prompt_tokens=p, weights_version=version, num_samples=2,
+                          prompt_logprobs=True,
+                          sampling_params=SamplingParams(max_tokens=6, seed=100 + i, temperature=1.0))
+            for i, p in enumerate(PROMPTS)]
+
+
+def datum(prompt, completion, advantage) -> Datum:
+    full = prompt + completion
+    n = len(full) - 1
+    return Datum(model_input=full[:-1], loss_fn_inputs={
+        "target_tokens": [float(t) for t in full[1:]], "logprobs": [0.0] * n,
+        "advantages": [0.0] * (len(prompt) - 1) + [advantage] * len(completion)})
+
+
+def step(rt, model_id: str, outputs: list[SampleOutput], version: int):
+    data = [datum(p, s.tokens, 1.0 if k == 0 else -0.5)
+            for p, out in zip(PROMPTS, outputs) for k, s in enumerate(out.sequences)]
+    fb = rt.execute(ForwardBackwardRequest(model_id=model_id, data=data, loss_fn="importance_sampling"))
+    opt = rt.execute(OptimStepRequest(model_id=model_id, adam_params=AdamParams(learning_rate=0.05)))
+    rt.execute(WeightSyncRequest(model_id=model_id, version=version + 1))
+    return fb, opt
+
+
+def adapter(rt, model_id: str) -> dict[str, torch.Tensor]:
+    weights = rt.trainer.export_weights(model_id)
+    weights = ray.get(weights) if isinstance(weights, ray.ObjectRef) else weights
+    return weights.tensors
+
+
+def close(a: list[float], b: list[float]) -> bool:
+    """Equal to 1e-5, relative beyond magnitude 1. For samples only: the PyTorch engine's logprobs depend on which
+    requests share its batch (the batch's shapes change the kernels' float32 sums; in one process too: the same
+    requests served as two half batches move by ~4e-6), and a replica serves part of the batch the in-process
+    engine does; the same on equal weights (version 0) as after steps, since the trainers' adapters are equal
+    bit for bit."""
+    return len(a) == len(b) and all(abs(x - y) <= TOLERANCE * max(1.0, abs(x)) for x, y in zip(a, b))
+
+
+def same_adapter(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_two_replicas_and_two_ranks_serve_what_one_process_serves(runtimes):
+    local, distributed = runtimes
+    model = "equal:train:0"
+    for rt in runtimes:
+        create(rt, model)
+    for version in range(3):
+        mine, theirs = local.sample(requests(model, version)), distributed.sample(requests(model, version))
+        for a, b in zip(mine, theirs):
+            assert isinstance(a, SampleOutput) and isinstance(b, SampleOutput), (a, b)
+            assert b.weights_version == version
+            assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+            for sa, sb in zip(a.sequences, b.sequences):
+                assert close(sa.logprobs, sb.logprobs)
+            assert close(a.prompt_logprobs[1:], b.prompt_logprobs[1:])
+        (fb_a, opt_a), (fb_b, opt_b) = step(local, model, mine, version), step(distributed, model, theirs, version)
+        # the trainer: the same float32 operations on the same values in the same order, so equal exactly
+        assert fb_a.metrics == fb_b.metrics
+        assert fb_a.loss_fn_outputs == fb_b.loss_fn_outputs
+        assert opt_a.metrics == opt_b.metrics
+        assert same_adapter(adapter(local, model), adapter(distributed, model))
+    assert distributed.engine.live_versions(model) == [1, 2, 3]
+
+
+def test_every_rank_holds_the_same_adapter(runtimes):
+    _, distributed = runtimes
+    model = "ranks:train:0"
+    distributed.execute(CreateModelRequest(model_id=model, base_model=BASE, lora=LoraConfig(rank=4)))  # unseeded
+    data = [datum(p, [40, 41, 42], 1.0) for p in PROMPTS]
+    distributed.execute(ForwardBackwardRequest(model_id=model, data=data, loss_fn="importance_sampling"))
+    distributed.execute(OptimStepRequest(model_id=model, adam_params=AdamParams(learning_rate=0.05)))
+    first, second = ray.get([rank.export_weights.remote(model) for rank in distributed.trainer.ranks])
+    assert first.tensors.keys() == second.tensors.keys()
+    assert all(torch.equal(first.tensors[k], second.tensors[k]) for k in first.tensors)
+
+
+def test_a_failing_slice_leaves_no_gradient_on_any_rank(runtimes):
+    local, distributed = runtimes
+    model = "rollback:train:0"
+    for rt in runtimes:
+        create(rt, model)
+    good = [datum(p, [40, 41], 1.0) for p in PROMPTS]
+    bad = Datum(model_input=[5, 6], loss_fn_inputs={"target_tokens": [6.0, 7.0]})  # no advantages: a 400
+    for rt in runtimes:
+        with pytest.raises(Exception) as caught:
+            rt.execute(ForwardBackwardRequest(model_id=model, data=good + [bad], loss_fn="importance_sampling"))
+        assert getattr(caught.value, "status", None) == 400
+        rt.execute(ForwardBackwardRequest(model_id=model, data=good, loss_fn="importance_sampling"))
+        rt.execute(OptimStepRequest(model_id=model, adam_params=AdamParams(learning_rate=0.05)))
+    assert same_adapter(adapter(local, model), adapter(distributed, model))
+
+
+def test_forward_only_equals_in_process(runtimes):
+    local, distributed = runtimes
+    model = "fwd:train:0"
+    for rt in runtimes:
+        create(rt, model)
+    data = [datum(p, [40, 41, 42], 1.0) for p in PROMPTS]
+    a, b = (rt.execute(ForwardRequest(model_id=model, data=data, loss_fn="importance_sampling")) for rt in runtimes)
+    assert a == b
+
+
+def test_a_step_spreads_over_both_ranks():
+    """The data of a step is cut into the in-process trainer's micro-batches, and each rank gets a run of them."""
+    from worker.ray_runtime.data_parallel import assignment
+    from worker.torch_runtime.packing import plan
+
+    data = [datum(p, [40, 41, 42, 43, 44, 45], 1.0) for p in PROMPTS for _ in range(2)]  # 11, 11, 8, 8, ... tokens
+    runs = assignment(ForwardBackwardRequest(model_id="m", data=data, loss_fn="importance_sampling"),
+                      MICRO_BATCH_TOKENS, 2)
+    passes = plan([len(d.model_input) for d in data], MICRO_BATCH_TOKENS)
+    assert [span for run in runs for span in run] == passes == [(0, 1), (1, 3), (3, 5), (5, 7), (7, 8)]
+    assert [sum(len(d.model_input) for a, b in run for d in data[a:b]) for run in runs] == [30, 40]
+
+
+def test_remove_model_drops_it_on_every_rank_and_it_can_be_built_again(runtimes):
+    """What durable restore does to a stale copy (Runtime.forget, then a replay of its journal)."""
+    local, distributed = runtimes
+    model = "removed:train:0"
+    create(distributed, model)
+    data = [datum(p, [40, 41, 42], 1.0) for p in PROMPTS]
+    distributed.execute(ForwardBackwardRequest(model_id=model, data=data, loss_fn="importance_sampling"))
+    distributed.forget(model)
+    assert not distributed.trainer.has_model(model)
+    assert ray.get([rank.__ray_call__.remote(lambda self: self.trainer.has_model(model))
+                    for rank in distributed.trainer.ranks]) == [False, False]
+    assert distributed.engine.live_versions(model) == []
+    for rt in runtimes:  # built again from scratch: no gradient of the first life is left on any rank
+        create(rt, model)
+        rt.execute(ForwardBackwardRequest(model_id=model, data=data, loss_fn="importance_sampling"))
+        rt.execute(OptimStepRequest(model_id=model, adam_params=AdamParams(learning_rate=0.05)))
+    assert same_adapter(adapter(local, model), adapter(distributed, model))

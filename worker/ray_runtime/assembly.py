@@ -1,0 +1,58 @@
+"""Assemble the Ray runtime (`worker/runtimes.py` picks it): join or start Ray, place the bundles, start the
+engine replicas and trainer ranks on them, and put the facades in front."""
+
+import logging
+import os
+from pathlib import Path
+
+import ray
+
+from tinkerq.config import RuntimeConfig
+from worker.ray_runtime import cluster
+from worker.ray_runtime.engine_actor import EngineReplica
+from worker.ray_runtime.engines import RayEngine
+from worker.ray_runtime.trainer_actor import TrainerRank
+from worker.ray_runtime.trainers import CALL_TIMEOUT_S, RayTrainer
+from worker.runtime.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+
+def wanted(config: RuntimeConfig) -> bool:
+    """A Ray worker was asked for: a number of devices, or a cluster to join."""
+    return config.ray_gpus > 0 or bool(config.ray_address)
+
+
+def make_runtime(config: RuntimeConfig) -> Runtime:
+    bundles = max(config.ray_gpus, 1)
+    engines = config.ray_engine_replicas or bundles
+    ranks = config.ray_trainer_ranks or bundles
+    connected = cluster.connect(config.ray_address or None,
+                                cpus=config.ray_num_cpus or max(bundles, os.cpu_count() or 1),
+                                namespace=config.ray_namespace)
+    placement = cluster.place(bundles)
+    # Each bundle hosts an engine replica and a trainer rank, so each gets a share of its device (on a GPU,
+    # vLLM's own gpu_memory_utilization decides how much memory it takes).
+    share = 0.5
+    replicas = [ray.remote(EngineReplica).options(**placement.options(i % bundles, share), name=f"engine-{i}",
+                                                  max_restarts=config.ray_max_restarts, max_task_retries=0)
+                .remote(config) for i in range(engines)]
+    # A restarted rank could not rejoin the running group: a trainer fault fails its request and needs a
+    # worker restart (the consumer's recovery replays what was acknowledged).
+    trainers = [ray.remote(TrainerRank).options(**placement.options(i % bundles, share), name=f"trainer-{i}",
+                                                max_restarts=0)
+                .remote(config, i, ranks) for i in range(ranks)]
+    host, port = ray.get(trainers[0].address.remote(), timeout=CALL_TIMEOUT_S)
+    ray.get([t.join.remote(host, port) for t in trainers], timeout=CALL_TIMEOUT_S)
+    log.info("Ray runtime: %d bundles (%s), %d engine replicas, %d trainer ranks", bundles,
+             "GPU" if placement.gpu else "CPU", engines, ranks)
+
+    def close() -> None:
+        for trainer in trainers:
+            ray.kill(trainer, no_restart=True)
+        placement.remove()
+        if connected:
+            cluster.disconnect()
+
+    engine = RayEngine(replicas, config.max_snapshots, on_close=close)
+    return Runtime(RayTrainer(trainers, Path(config.checkpoint_root)), engine)

@@ -1,0 +1,80 @@
+"""Starting or joining Ray, and the placement group a worker's actors live on (one device per bundle)."""
+
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+log = logging.getLogger(__name__)
+READY_TIMEOUT_S = 300.0  # a placement group that cannot be placed by then is an error, not a hang
+SHUTDOWN_TIMEOUT_S = 30.0
+
+
+def connect(address: str | None, cpus: int | None = None, namespace: str = "") -> bool:
+    """Join the cluster at `address` ("auto": the one on this host), or start a local one of `cpus` CPUs; False
+    if this process was connected already (whoever connected it disconnects it).
+    The worker's TINKERQ_* settings and PYTHONPATH go to every actor, so they build what the consumer would."""
+    if ray.is_initialized():
+        return False
+    namespace = namespace or f"tinkerq-{socket.gethostname()}-{os.getpid()}"
+    env = {k: v for k, v in os.environ.items() if k.startswith("TINKERQ_") or k in ("PYTHONPATH", "HF_HOME")}
+    runtime_env = {"env_vars": env}
+    if address:
+        ray.init(address=address, namespace=namespace, runtime_env=runtime_env, log_to_driver=True)
+    else:
+        ray.init(num_cpus=cpus, namespace=namespace, include_dashboard=False, runtime_env=runtime_env,
+                 log_to_driver=True)
+    return True
+
+
+def disconnect() -> None:
+    """ray.shutdown, bounded: a wedged raylet must not keep the worker from exiting."""
+    thread = threading.Thread(target=ray.shutdown, daemon=True)
+    thread.start()
+    thread.join(SHUTDOWN_TIMEOUT_S)
+    if thread.is_alive():
+        log.warning("ray.shutdown did not finish in %.0f s; exiting without it", SHUTDOWN_TIMEOUT_S)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """N bundles packed onto as few nodes as possible; each holds one engine replica and one trainer rank
+    (colocated, as SkyRL's colocate_all and veRL's hybrid engine do), each taking a share of its device."""
+
+    group: PlacementGroup
+    bundles: int
+    gpu: bool
+
+    def options(self, bundle: int, share: float) -> dict:
+        """Ray actor options placing an actor on `bundle`, with `share` of its device."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        resources = {"num_gpus": share, "num_cpus": 0} if self.gpu else {"num_cpus": share}
+        strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle,
+                                                    placement_group_capture_child_tasks=True)
+        return {**resources, "scheduling_strategy": strategy}
+
+    def remove(self) -> None:
+        remove_placement_group(self.group)
+
+
+def place(bundles: int, gpu: bool | None = None) -> Placement:
+    """A placement group of `bundles` bundles: one GPU each where the cluster has GPUs (unless `gpu` says),
+    else one CPU each."""
+    if bundles < 1:
+        raise ValueError(f"a Ray worker needs at least one bundle, got {bundles}")
+    if gpu is None:
+        gpu = ray.cluster_resources().get("GPU", 0) > 0
+    shape = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
+    group = placement_group([dict(shape) for _ in range(bundles)], strategy="PACK")
+    try:
+        ray.get(group.ready(), timeout=READY_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        raise RuntimeError(f"Ray could not place {bundles} bundles of {shape} in {READY_TIMEOUT_S:.0f} s "
+                           f"(cluster: {ray.cluster_resources()})") from None
+    return Placement(group, bundles, gpu)

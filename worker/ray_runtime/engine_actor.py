@@ -1,0 +1,100 @@
+"""An engine replica as a Ray actor: one Engine (PyTorch, or vLLM where it imports) in its own process.
+
+Every call names the incarnation the caller last synced; a replica Ray restarted has a new one and answers
+Stale until the caller has replayed the models and snapshots into it (`restore`), so a restarted replica
+never serves, or takes a sync for, state it does not hold."""
+
+import os
+import queue
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import ray
+
+from schemas import CreateModelRequest, ErrorResponse, SampleOutput
+from tinkerq.config import RuntimeConfig
+from worker.ray_runtime.boundary import Failed, Stale, guarded
+from worker.runtime.base import Keyed
+
+# (model id, base model, [(version, weights or a reference to them), ...] oldest first)
+ModelRecord = tuple[str, str, list[tuple[int, Any]]]
+_END = object()
+
+
+class EngineReplica:
+    def __init__(self, config: RuntimeConfig) -> None:
+        from worker.torch_runtime.base_models import BaseModels
+        from worker.torch_runtime.assembly import make_engine, set_threads
+
+        set_threads(config)
+        self.engine = make_engine(config, BaseModels(config.device, config.dtype))
+        self.incarnation = uuid.uuid4().hex
+
+    def hello(self) -> tuple[str, int]:
+        """This incarnation and its process id (the fault test kills that process)."""
+        return self.incarnation, os.getpid()
+
+    def _check(self, expect: str | None) -> None:
+        if expect != self.incarnation:
+            raise Stale(self.incarnation)
+
+    def restore(self, models: list[ModelRecord]) -> str:
+        """Hold exactly these models and snapshots (the caller's record of what every replica holds)."""
+        for model_id in list(getattr(self.engine, "snapshots", {})):
+            self.engine.remove_model(model_id)
+        for model_id, base, versions in models:
+            (first_version, first), *rest = versions
+            self.engine.add_model(model_id, base, _resolved(first))
+            if first_version != 0:
+                # add_model names its weights version 0: apply the first live snapshot under its own version
+                # too; the extra 0 is never asked for (the caller's record is what requests are pinned to).
+                self.engine.apply_weights(model_id, first_version, _resolved(first))
+            for version, weights in rest:
+                self.engine.apply_weights(model_id, version, _resolved(weights))
+        return self.incarnation
+
+    def add_model(self, expect: str | None, model_id: str, base_model: str, weights: Any) -> None:
+        self._check(expect)
+        self.engine.add_model(model_id, base_model, weights)
+
+    def apply_weights(self, expect: str | None, model_id: str, version: int, weights: Any) -> None:
+        self._check(expect)
+        self.engine.apply_weights(model_id, version, weights)
+
+    def remove_model(self, expect: str | None, model_id: str) -> None:
+        self._check(expect)
+        self.engine.remove_model(model_id)
+
+    def check_base(self, base_model: str) -> Failed | None:
+        return guarded(lambda: self.engine.check_base(base_model))
+
+    def check_create(self, request: CreateModelRequest) -> Failed | None:
+        return guarded(lambda: self.engine.check_create(request))
+
+    def serve(self, expect: str | None, items: Keyed) -> Iterator[tuple[str, SampleOutput | ErrorResponse]]:
+        """(key, result) for each item, as soon as it is ready (a Ray streaming generator). The engine runs on
+        a thread of its own, so that its continuous batching hands results out while it still decodes."""
+        self._check(expect)
+        results: queue.Queue = queue.Queue()
+
+        def run() -> None:
+            try:
+                self.engine.generate_stream(items, lambda key, result: results.put((key, result)))
+                results.put(_END)
+            except BaseException as exc:  # handed to the caller's thread, raised there
+                results.put(exc)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        while (item := results.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+        thread.join()
+
+
+def _resolved(weights: Any) -> Any:
+    """Weights nested in a list arrive as references (Ray resolves only top-level arguments)."""
+    return ray.get(weights) if isinstance(weights, ray.ObjectRef) else weights

@@ -1,0 +1,150 @@
+"""One data-parallel trainer rank as a Ray actor: the torch trainer on its run of each forward_backward's
+micro-batches, in a torch.distributed group with the other ranks (gloo on the CPU, NCCL on GPUs). The gradients
+of a forward_backward are summed over the ranks once it succeeded everywhere (`commit`), in a fixed order, so
+every rank takes the same step and holds the same adapter as the in-process trainer (data_parallel.py)."""
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from schemas import CreateModelRequest, CustomLoss, ForwardRequest, LoadStateRequest, OptimStepRequest
+from tinkerq.config import RuntimeConfig
+from worker.ray_runtime.boundary import Failed, guarded
+
+
+def free_address() -> tuple[str, int]:
+    """This host's address and a port free on it, for the group's rendezvous."""
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+
+class TrainerRank:
+    def __init__(self, config: RuntimeConfig, rank: int, world: int) -> None:
+        from worker.torch_runtime.base_models import BaseModels
+        from worker.torch_runtime.assembly import make_trainer, set_threads
+
+        set_threads(config)
+        self.rank, self.world = rank, world
+        self.trainer = make_trainer(config, BaseModels(config.device, config.dtype))
+        # per model: each micro-batch's gradients of a forward_backward not yet committed, in order
+        self._pending: dict[str, list[list[torch.Tensor | None]]] = {}
+
+    def micro_batch_tokens(self) -> int:
+        """The budget its passes are cut at: the driver splits requests along the same micro-batches."""
+        return self.trainer.options.micro_batch_tokens
+
+    def address(self) -> tuple[str, int]:
+        return free_address()
+
+    def join(self, host: str, port: int) -> int:
+        """Join the group (every rank calls this at once; it returns when all have)."""
+        backend = "nccl" if self.trainer.bases.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world)
+        return os.getpid()
+
+    def _params(self, model_id: str) -> list[torch.nn.Parameter]:
+        return self.trainer.models[model_id].optimizer.param_groups[0]["params"]
+
+    def create_model(self, request: CreateModelRequest):
+        def create():
+            output = self.trainer.create_model(request)
+            with torch.no_grad():  # rank 0's initialisation everywhere (an unseeded adapter differs per rank)
+                for p in self._params(request.model_id):
+                    dist.broadcast(p.data, src=0)
+            return output
+        return guarded(create)
+
+    def forward(self, parts: list[ForwardRequest], backward: bool):
+        """Each micro-batch of this rank's run, as the in-process trainer passes it; with `backward`, each one's
+        gradients are kept apart (pending) until `commit` sums every rank's in the request's order, and the
+        adapter's accumulated gradients are left as they were (a failing rank elsewhere means `discard`)."""
+        if not backward:
+            return guarded(lambda: [self.trainer.forward(p, False) for p in parts])
+        params = self._params(parts[0].model_id) if parts else []
+        earlier = [p.grad for p in params]
+        grads: list[list[torch.Tensor | None]] = []
+
+        def run():
+            outputs = []
+            for request in parts:
+                for p in params:
+                    p.grad = None
+                outputs.append(self.trainer.forward(request, True))
+                grads.append([p.grad for p in params])
+            return outputs
+
+        try:
+            outputs = guarded(run)
+        finally:
+            for p, g in zip(params, earlier):
+                p.grad = g
+        if parts and not isinstance(outputs, Failed):
+            self._pending[parts[0].model_id] = grads
+        return outputs
+
+    def discard(self, model_id: str) -> None:
+        """Drop the pending gradients of a forward_backward that failed on some rank."""
+        self._pending.pop(model_id, None)
+
+    def commit(self, model_id: str, counts: list[int]) -> None:
+        """Every rank at once: add the forward_backward's gradients to the adapter's, summed micro-batch by
+        micro-batch in the request's order (rank 0's first, `counts[r]` from rank r). Every rank gathers all
+        of them and sums in that fixed order, so every rank holds the same gradient, equal to the in-process
+        trainer's (autograd accumulates its passes the same way; a ring all-reduce would add in another order).
+        The price: every rank holds one gradient copy per micro-batch of the request, fine for LoRA adapters;
+        full-weight training would want a fixed-order reduce-scatter instead."""
+        params = self._params(model_id)
+        mine = self._pending.pop(model_id, [])
+        has = torch.tensor([any(g[k] is not None for g in mine) for k in range(len(params))], dtype=torch.int32)
+        dist.all_reduce(has, op=dist.ReduceOp.MAX)  # a parameter with a gradient on any rank has one everywhere
+        with_grad = [k for k, h in enumerate(has.tolist()) if h]
+        if not with_grad:
+            return
+        device, numel = params[0].device, sum(params[k].numel() for k in with_grad)
+        local = torch.zeros(max(counts), numel, dtype=params[with_grad[0]].dtype, device=device)
+        for j, g in enumerate(mine):
+            local[j] = torch.cat([(g[k] if g[k] is not None else torch.zeros_like(params[k])).reshape(-1)
+                                  for k in with_grad])
+        gathered = [torch.empty_like(local) for _ in range(self.world)]
+        dist.all_gather(gathered, local)
+        rows = [gathered[r][j] for r in range(self.world) for j in range(counts[r])]
+        total = rows[0].clone()
+        for row in rows[1:]:
+            total += row
+        offset = 0
+        for k in with_grad:
+            p, n = params[k], params[k].numel()
+            grad = total[offset: offset + n].view_as(p).clone()
+            offset += n
+            # in process: this call's gradient, then the earlier ones added to it (packed_forward)
+            p.grad = grad if p.grad is None else grad.add_(p.grad)
+
+    def optim_step(self, request: OptimStepRequest):
+        """Every rank holds the same gradients (commit), so each takes the same step."""
+        return guarded(lambda: self.trainer.optim_step(request))
+
+    def remove_model(self, model_id: str) -> None:
+        self._pending.pop(model_id, None)
+        self.trainer.remove_model(model_id)
+
+    def export_weights(self, model_id: str):
+        """The adapter's tensors on the host: returned into Ray's object store, where the engines read them."""
+        weights = self.trainer.export_weights(model_id)
+        return type(weights)(weights.config, {k: v.cpu() for k, v in weights.tensors.items()})
+
+    def save_sampler_weights(self, model_id: str, name: str):
+        return guarded(lambda: self.trainer.save_sampler_weights(model_id, name))
+
+    def save_state(self, model_id: str, name: str, include_optimizer: bool):
+        return guarded(lambda: self.trainer.save_state(model_id, name, include_optimizer))
+
+    def load_state(self, request: LoadStateRequest):
+        return guarded(lambda: self.trainer.load_state(request))
+
+    def check_custom_loss(self, loss: CustomLoss):
+        return guarded(lambda: self.trainer.check_custom_loss(loss))

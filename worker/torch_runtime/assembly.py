@@ -1,0 +1,51 @@
+"""Assemble the torch runtime from settings (`worker/runtimes.py` picks it): the torch trainer beside a vLLM or a
+PyTorch engine; the Ray runtime's actors build their parts here too."""
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+from tinkerq.catalog import BaseModelCatalog
+from tinkerq.config import RuntimeConfig
+from worker.runtime.base import Engine
+from worker.runtime.runtime import Runtime
+from worker.torch_runtime.base_models import BaseModels
+from worker.torch_runtime.engine import TorchEngine
+from worker.torch_runtime.packed_forward import TrainOptions
+from worker.torch_runtime.trainer import TorchTrainer
+
+
+def engine_name(config: RuntimeConfig) -> str:
+    if config.engine != "auto":
+        return config.engine
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "torch"
+
+
+def make_engine(config: RuntimeConfig, bases: BaseModels) -> Engine:
+    if engine_name(config) == "vllm":
+        from worker.vllm_runtime.engine import VllmEngine
+
+        return VllmEngine(config, bases.catalog)
+    return TorchEngine(bases, config.max_snapshots)
+
+
+def set_threads(config: RuntimeConfig) -> None:
+    """torch's intra-op threads for this process, where the settings name a count."""
+    if config.torch_threads:
+        import torch
+
+        torch.set_num_threads(config.torch_threads)
+
+
+def make_trainer(config: RuntimeConfig, bases: BaseModels) -> TorchTrainer:
+    """The torch trainer (in process, or one data-parallel rank of the Ray runtime)."""
+    options = TrainOptions.for_device(bases.device)
+    if config.train_micro_batch_tokens:
+        options = dataclasses.replace(options, micro_batch_tokens=config.train_micro_batch_tokens)
+    return TorchTrainer(bases, Path(config.checkpoint_root), options)
+
+
+def make_runtime(config: RuntimeConfig) -> Runtime:
+    set_threads(config)
+    bases = BaseModels(config.device, config.dtype, BaseModelCatalog.from_env())
+    return Runtime(make_trainer(config, bases), make_engine(config, bases))
