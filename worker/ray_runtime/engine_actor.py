@@ -55,9 +55,9 @@ class EngineReplica:
                 self.engine.apply_weights(model_id, version, _resolved(weights))
         return self.incarnation
 
-    def add_model(self, expect: str | None, model_id: str, base_model: str, weights: Any) -> None:
+    def add_model(self, expect: str | None, model_id: str, base_model: str, weights: Any, version: int = 0) -> None:
         self._check(expect)
-        self.engine.add_model(model_id, base_model, weights)
+        self.engine.add_model(model_id, base_model, weights, version)
 
     def apply_weights(self, expect: str | None, model_id: str, version: int, weights: Any) -> None:
         self._check(expect)

@@ -57,9 +57,9 @@ class RayEngine(Engine):
 
     # -- snapshots: the record first, then every replica ----------------------------------------
 
-    def add_model(self, model_id: str, base_model: str, weights: Any) -> None:
-        self.record.add_model(model_id, base_model, weights)
-        self._everywhere("add_model", model_id, base_model, weights)
+    def add_model(self, model_id: str, base_model: str, weights: Any, version: int = 0) -> None:
+        self.record.add_model(model_id, base_model, weights, version)
+        self._everywhere("add_model", model_id, base_model, weights, version)
 
     def apply_weights(self, model_id: str, version: int, weights: Any) -> None:
         self.record.apply(model_id, version, weights)

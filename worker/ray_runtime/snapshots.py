@@ -13,10 +13,10 @@ class SnapshotRecord:
         self._bases: dict[str, str] = {}
         self._live: dict[str, OrderedDict[int, Any]] = {}
 
-    def add_model(self, model_id: str, base_model: str, weights: Any) -> None:
+    def add_model(self, model_id: str, base_model: str, weights: Any, version: int = 0) -> None:
         self._bases[model_id] = base_model
         self._live[model_id] = OrderedDict()
-        self.apply(model_id, 0, weights)
+        self.apply(model_id, version, weights)
 
     def apply(self, model_id: str, version: int, weights: Any) -> None:
         live = self._live[model_id]
