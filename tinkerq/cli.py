@@ -32,10 +32,8 @@ def worker(
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING")] = "INFO",
 ) -> None:
     """Run a long-lived worker: load the runtime once, then consume the shards it owns, in order."""
-    from redis import Redis
-
-    from tinkerq.config import RuntimeConfig
-    from worker.main import WorkerProcess
+    from tinkerq.config import QueueConfig, RuntimeConfig
+    from worker.main import WorkerProcess, connect, worker_name
     from worker.runtime.factory import build_runtime
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -43,7 +41,9 @@ def worker(
         os.environ["TINKERQ_RUNTIME"] = runtime
     if engine:
         os.environ["TINKERQ_ENGINE"] = engine
-    process = WorkerProcess(Redis.from_url(redis_url), build_runtime(RuntimeConfig()), shards=_shards(shards))
+    config, name = QueueConfig(), worker_name()
+    process = WorkerProcess(connect(redis_url, config, name), build_runtime(RuntimeConfig()), config,
+                            shards=_shards(shards), name=name)
     process.run(burst=burst, logging_level=log_level)
 
 

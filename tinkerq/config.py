@@ -1,6 +1,6 @@
 """Deployment settings shared by producers and workers (TINKERQ_* environment variables)."""
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -26,6 +26,9 @@ class QueueConfig(BaseSettings):
     tick_s: int = Field(1, ge=1, description="worker idle loop period (seconds)")
     # A worker waits this long for an unreachable Redis (killed, restarting, frozen) before it gives up and exits.
     redis_outage_s: float = Field(300.0, gt=0)
+    # A worker's Redis calls fail (and count as an outage) after this long without a reply, so a frozen Redis never
+    # blocks it forever; above tick_s, which its blocking waits (BLPOP) last.
+    redis_socket_timeout_s: float = Field(10.0, gt=0)
     # After SIGTERM/SIGINT the worker finishes the job in hand for at most this long, then exits anyway (status 0):
     # what it had in hand stays in Redis for the next owner (worker/shutdown.py).
     stop_grace_s: float = Field(5.0, gt=0)
@@ -35,6 +38,14 @@ class QueueConfig(BaseSettings):
     # Each state-changing training op is journaled in Redis with its result, so any worker can rebuild the model
     # after its owner dies (worker/journal.py). Off: a model lives only in its owner's memory (model_state_lost).
     durable: bool = True
+
+
+    @model_validator(mode="after")
+    def _blocking_waits_fit_the_socket_timeout(self) -> "QueueConfig":
+        if self.redis_socket_timeout_s <= self.tick_s:
+            raise ValueError(f"redis_socket_timeout_s ({self.redis_socket_timeout_s:g}) must exceed tick_s "
+                             f"({self.tick_s}), the worker's blocking wait")
+        return self
 
 
 class RuntimeConfig(BaseSettings):
