@@ -20,7 +20,9 @@ from worker.outage import retrying
 # at KEYS[2] and ARGV[2].
 LEASE_CHECK = "if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end\n"
 
+# A held lease is left alone (no epoch spent on it): a standby polling for free shards writes nothing.
 _ACQUIRE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return false end
 local epoch = redis.call('INCR', KEYS[2])
 local token = ARGV[1] .. ':' .. epoch
 if redis.call('SET', KEYS[1], token, 'NX', 'PX', ARGV[2]) then return token end
