@@ -249,3 +249,34 @@ class Fence:
 
     def hdel(self, shard: int, key: str, field: str) -> None:
         self._hdel(shard, [key], [field], key)
+
+
+# The commands RQ's bookkeeping of a job writes with (worker/rq_worker.py): fenced while a job is in hand.
+_WRITES = frozenset({"SET", "DEL", "UNLINK", "EXPIRE", "PEXPIRE", "PERSIST", "HSET", "HMSET", "HDEL", "HINCRBY",
+                     "HINCRBYFLOAT", "LPUSH", "RPUSH", "LREM", "SADD", "SREM", "ZADD", "ZREM", "XADD", "XTRIM",
+                     "INCR", "INCRBY"})
+
+
+class FencedRedis(Redis):
+    """The RQ worker's client: while `shard` is set (a job of that shard is in hand), every write it or the job
+    makes, in a pipeline or not, runs behind the shard's lease (FencedPipeline), so RQ's own records of a job (its
+    hash, execution, registries) are never written by a worker that lost the shard. Reads and the worker's writes
+    between jobs go straight through."""
+
+    def __init__(self, fence: Fence) -> None:
+        super().__init__(connection_pool=fence.connection.connection_pool)
+        self.fence = fence
+        self.shard: int | None = None
+
+    def pipeline(self, transaction: bool = True, shard_hint: str | None = None) -> Pipeline:
+        shard = self.shard
+        return FencedPipeline(self.fence, shard) if shard is not None else super().pipeline(transaction, shard_hint)
+
+    def execute_command(self, *args, **options):  # noqa: ANN002, ANN003, ANN201 - redis-py's
+        shard = self.shard
+        name = args[0].upper() if isinstance(args[0], str) else args[0]
+        if shard is None or name not in _WRITES:
+            return super().execute_command(*args, **options)
+        with FencedPipeline(self.fence, shard) as pipe:
+            pipe.execute_command(*args, **options)
+            return pipe.execute()[0]

@@ -18,7 +18,7 @@ from tinkerq.config import QueueConfig
 from tinkerq.keys import shard_of_queue
 from worker.claim import Claimer
 from worker.dispatcher import Dispatcher
-from worker.fencing import Fence, FencedOut
+from worker.fencing import Fence, FencedOut, FencedRedis
 from worker.outage import REDIS_DOWN, wait_for_redis
 from worker.recovery import recover
 from worker.rq_worker import LostJob, ShardQueue, ShardWorker
@@ -180,7 +180,7 @@ class WorkerProcess:
         worker = ShardWorker(
             [self._queue(shard) for shard in sorted(self.fence.tokens)],
             claimer=self.claimer,
-            connection=self.connection,
+            connection=FencedRedis(self.fence),
             name=f"{self.name}-{self._incarnation}",
             tick_s=self.config.tick_s,
             on_tick=self._tick,

@@ -45,7 +45,7 @@ from worker import admission
 from tinkerq.jobs import JOB_NAMES
 from worker.admission import Refused, Verdict
 from worker.claim import Claimer, shard_of_key
-from worker.fencing import FencedOut
+from worker.fencing import FencedOut, FencedRedis
 from worker.outage import REDIS_DOWN, RedisGone
 
 log = logging.getLogger(__name__)
@@ -267,6 +267,9 @@ class ShardWorker(SimpleWorker):
         super().prepare_job_execution(job, remove_from_intermediate_queue=False)
 
     def execute_job(self, job: Job, queue) -> None:
+        fenced = isinstance(self.connection, FencedRedis)
+        if fenced:  # RQ's writes for this job, from here to its end, only under the shard's lease
+            self.connection.shard = shard_of_queue(queue.name)
         try:
             execution = self.prepare_execution(job)
             self.running = (job, execution)
@@ -281,6 +284,9 @@ class ShardWorker(SimpleWorker):
             job.transient = exc
         except REDIS_DOWN as exc:  # RQ's own bookkeeping failed: the job stays in flight, recovery requeues it
             self._outage(exc)
+        finally:
+            if fenced:
+                self.connection.shard = None
         if isinstance(job.transient, FencedOut):
             self.lost_shard(shard_of_queue(queue.name))
         self.set_state(WorkerStatus.IDLE)
@@ -322,7 +328,11 @@ class ShardWorker(SimpleWorker):
             if self.running is not None:
                 job, execution = self.running
                 if self.claimer.fence.owns(shard_of_queue(job.origin)):
-                    self.maintain_heartbeats(job, execution)
+                    try:
+                        self.maintain_heartbeats(job, execution)
+                    except FencedOut:  # lost meanwhile: the main loop finds out at its next fenced write
+                        log.warning("worker %s: the lease on %s was lost; its job's heartbeat stops", self.name,
+                                    job.origin)
 
     def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):  # noqa: ANN001, ANN201
         """Claim the next job (worker/claim.py) instead of RQ's pop. A job that cannot be loaded is answered, a
