@@ -37,10 +37,8 @@ def worker(
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING")] = "INFO",
 ) -> None:
     """Run a long-lived worker: load the runtime once, then consume the shards it owns, in order."""
-    from redis import Redis
-
-    from tinkerq.config import RuntimeConfig
-    from worker.main import WorkerProcess
+    from tinkerq.config import QueueConfig, RuntimeConfig
+    from worker.main import WorkerProcess, connect, worker_name
     from worker.runtimes import build_runtime
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -54,7 +52,8 @@ def worker(
         os.environ["TINKERQ_RAY_ADDRESS"] = ray_address
     loaded = build_runtime(RuntimeConfig())
     try:
-        process = WorkerProcess(Redis.from_url(redis_url), loaded, shards=_shards(shards))
+        config, name = QueueConfig(), worker_name()
+        process = WorkerProcess(connect(redis_url, config, name), loaded, config, shards=_shards(shards), name=name)
         process.run(burst=burst, logging_level=log_level)
     finally:
         _close(loaded.engine)

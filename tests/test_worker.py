@@ -170,6 +170,7 @@ def test_a_crash_mid_batch_puts_the_claimed_samples_back_at_the_front_in_order(r
     from schemas import Limits
     from worker.admission import Admission
     from worker.batching import Batcher
+    from worker.fencing import Fence
     from worker.recovery import recover
 
     create(producer)
@@ -177,12 +178,17 @@ def test_a_crash_mid_batch_puts_the_claimed_samples_back_at_the_front_in_order(r
     tickets = [sample(producer) for _ in range(4)]
     queue = Queue(keys.queue_name(tickets[0].shard), connection=r, serializer="json")
     first = r.lpop(queue.key).decode()  # popped by a worker that then claims the rest and dies
-    claimed = Batcher(r, 60, Admission(config, Limits())).claim(queue.key, tickets[0].shard, 10)
+    dead, successor = Fence(r, "dead", 60000), Fence(r, "successor", 60000)
+    dead.acquire([tickets[0].shard])
+    claimed = Batcher(r, dead, 60, Admission(config, Limits())).claim(queue.key, tickets[0].shard, 10)
     assert [c.request_id for c in claimed] == [t.request_id for t in tickets[1:]]
     assert queue.get_job_ids() == []
     r.rpush(f"{queue.key}:intermediate", first)
-    recover(r, queue)
+    r.delete(keys.lease_key(tickets[0].shard))  # its lease lapses; the successor takes the shard
+    successor.acquire([tickets[0].shard])
+    recover(r, queue, successor)
     assert queue.get_job_ids() == [t.request_id for t in tickets]
+    successor.release()
     worker.run(burst=True, logging_level="WARNING")
     assert all(isinstance(result(producer, t), SampleOutput) for t in tickets)
 

@@ -1,6 +1,6 @@
 """Deployment settings shared by producers and workers (TINKERQ_* environment variables)."""
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas import Limits
@@ -28,6 +28,9 @@ class QueueConfig(BaseSettings):
     tick_s: int = Field(1, ge=1, description="worker idle loop period (seconds)")
     # A worker waits this long for an unreachable Redis (killed, restarting, frozen) before it gives up and exits.
     redis_outage_s: float = Field(300.0, gt=0)
+    # A worker's Redis calls fail (and count as an outage) after this long without a reply, so a frozen Redis never
+    # blocks it forever; above tick_s, which its blocking waits (BLPOP) last.
+    redis_socket_timeout_s: float = Field(10.0, gt=0)
     # After SIGTERM/SIGINT the worker finishes the job in hand for at most this long, then exits anyway (status 0):
     # what it had in hand stays in Redis for the next owner (worker/shutdown.py).
     stop_grace_s: float = Field(5.0, gt=0)
@@ -41,6 +44,14 @@ class QueueConfig(BaseSettings):
     # checkpoint root and trims the journal before it (worker/checkpointer.py), so a takeover replays at most
     # this many steps and Redis holds no more of their data. 0: never (the journal grows with the run).
     durable_every: int = Field(10, ge=0)
+
+
+    @model_validator(mode="after")
+    def _blocking_waits_fit_the_socket_timeout(self) -> "QueueConfig":
+        if self.redis_socket_timeout_s <= self.tick_s:
+            raise ValueError(f"redis_socket_timeout_s ({self.redis_socket_timeout_s:g}) must exceed tick_s "
+                             f"({self.tick_s}), the worker's blocking wait")
+        return self
 
 
 class RuntimeConfig(BaseSettings):

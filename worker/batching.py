@@ -29,6 +29,7 @@ from rq.utils import now
 from schemas import SampleRequest
 from tinkerq import keys, queues
 from worker.admission import Admission, Admitted, job_id
+from worker.fencing import Fence
 from worker.inflight import InFlightList
 from worker.rq_worker import AllowlistJob
 
@@ -43,15 +44,16 @@ class Claimed:
 
 
 class Batcher:
-    def __init__(self, connection: Redis, rq_result_ttl_s: int, admission: Admission) -> None:
+    def __init__(self, connection: Redis, fence: Fence, rq_result_ttl_s: int, admission: Admission) -> None:
         self.connection = connection
+        self.fence = fence
         self.rq_result_ttl_s = rq_result_ttl_s
         self.admission = admission
         self._inflight: dict[int, InFlightList] = {}
 
     def inflight(self, shard: int) -> InFlightList:
         if shard not in self._inflight:
-            self._inflight[shard] = InFlightList(shard, self.connection)
+            self._inflight[shard] = InFlightList(shard, self.connection, self.fence)
         return self._inflight[shard]
 
     def claim(self, queue_key: str, shard: int, limit: int, accept: Callable[[SampleRequest], bool] | None = None,
@@ -117,7 +119,7 @@ class Batcher:
         if not claimed:
             return
         ended = now()
-        with self.connection.pipeline() as pipe:
+        with self.fence.pipeline(shard) as pipe:  # a former owner woken from a pause marks nothing
             for item in claimed:
                 job = item.job
                 job.ended_at = ended
@@ -131,8 +133,11 @@ class Batcher:
             pipe.execute()
 
     def release(self, queue_key: str, shard: int, claimed: list[Claimed]) -> None:
-        """Put claimed jobs back at the head of the queue, in their order (after a failed batch)."""
-        with self.connection.pipeline() as pipe:
+        """Put claimed jobs back at the head of the queue, in their order (after a failed batch). Fenced: a worker
+        that lost the shard puts nothing back (the new owner's recovery has them)."""
+        if not claimed:
+            return
+        with self.fence.pipeline(shard) as pipe:
             self.inflight(shard).put_back(queue_key, [item.request_id for item in claimed], pipe)
             pipe.execute()
 

@@ -36,13 +36,10 @@ end
 return {0, '', unpack(lost)}
 """
 
-# KEYS: intermediate list, queue. ARGV: id. Back at the head of its queue, if it is still claimed (once only).
-_PUT_BACK = """
-if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 1 then
-  redis.call('LPUSH', KEYS[2], ARGV[1])
-  return 1
-end
-return 0
+# KEYS: (lease), intermediate list. ARGV: (token), id, count. The claim ends (LREM), under the lease: a former
+# owner woken from a pause must not remove its successor's claim of the same id.
+_DONE = """
+return redis.call('LREM', KEYS[2], ARGV[3], ARGV[2])
 """
 
 
@@ -61,7 +58,7 @@ class Claimer:
         self.connection = connection
         self.fence = fence
         self._claim = connection.register_script(_CLAIM)
-        self._put_back = connection.register_script(_PUT_BACK)
+        self._done = fence.script(_DONE)
 
     def claim(self, queue_keys: list[str]) -> tuple[tuple[str, bytes] | None, list[int]]:
         """The (queue key, raw id) claimed, or None; and the shards whose lease turned out not to be ours."""
@@ -80,10 +77,8 @@ class Claimer:
         """Block until a producer rings one of these queues' doorbells, or `timeout` seconds."""
         self.connection.blpop([keys.bell_key(shard_of_key(key)) for key in queue_keys], timeout)
 
-    def put_back(self, queue_key: str, job_id: str) -> bool:
-        """A claimed job that must not run here (lease lost): back to the head of its queue, for its owner."""
-        return bool(self._put_back(keys=[intermediate_key(queue_key), queue_key], args=[job_id]))
-
-    def done(self, queue_key: str, job_id: str) -> None:
-        """The job ended (its result is stored, or RQ marked it failed): no longer in flight."""
-        self.connection.lrem(intermediate_key(queue_key), 1, job_id)
+    def done(self, queue_key: str, job_id: str | bytes, count: int = 1) -> None:
+        """The job ended (its result is stored, or RQ marked it failed), or the entry is dropped: no longer in
+        flight (`count` 0: every entry of it). FencedOut if the shard is no longer ours: the claim is then the
+        next owner's to recover. A job whose lease was lost is never put back by this worker."""
+        self._done(shard_of_key(queue_key), [intermediate_key(queue_key)], [job_id, count], f"the end of {job_id!r}")

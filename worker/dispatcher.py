@@ -58,8 +58,8 @@ class Dispatcher:
         self.fence = fence
         self.config = config
         self.admission = Admission(config, limits or LimitsConfig())
-        self.batcher = batching.Batcher(connection, config.rq_result_ttl_s, self.admission)
-        self.stability = StabilityRecords(connection, config.stability_ttl_s)
+        self.batcher = batching.Batcher(connection, fence, config.rq_result_ttl_s, self.admission)
+        self.stability = StabilityRecords(connection, fence, config.stability_ttl_s)
         self.stopping = threading.Event()  # set when the worker is asked to stop: running batches admit no more
         self.journal = Journal(connection)
         self.restorer = Restorer(connection, runtime, self.journal)
@@ -185,7 +185,7 @@ class Dispatcher:
         def done(each_rid: str, result: Result) -> None:
             each = run.requests[each_rid]
             if isinstance(result, SampleOutput):
-                self.stability.record(each, result)
+                self.stability.record(shard, each, result)
             self.finish(shard, each_rid, self._state_lost(each.model_id, result))
             run.finished(each_rid)
 

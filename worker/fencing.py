@@ -7,12 +7,22 @@ Those writes ride out a Redis outage (each is idempotent: NX, max, or the same v
 is done when Redis goes away stores its result once Redis is back instead of being run a second time.
 """
 
+
 from redis import Redis
+from redis.client import Pipeline
 
 from tinkerq import keys
 from worker.outage import retrying
 
+# The one lease check every fenced script starts with (prepended by `Fence.script`): KEYS[1] is the shard's lease,
+# ARGV[1] the writer's token. A writer whose lease lapsed or was taken over (a higher epoch) gets -1 and has
+# written nothing, so no fenced script may return -1 for anything else. A script's own keys and arguments start
+# at KEYS[2] and ARGV[2].
+LEASE_CHECK = "if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end\n"
+
+# A held lease is left alone (no epoch spent on it): a standby polling for free shards writes nothing.
 _ACQUIRE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return false end
 local epoch = redis.call('INCR', KEYS[2])
 local token = ARGV[1] .. ':' .. epoch
 if redis.call('SET', KEYS[1], token, 'NX', 'PX', ARGV[2]) then return token end
@@ -29,9 +39,8 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
-# KEYS: lease, result, request record. ARGV: token, result json, ttl, channel, request id, status.
+# KEYS: (lease), result, request record. ARGV: (token), result json, ttl, channel, request id, status.
 _PUT_RESULT = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
 if not redis.call('SET', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then return 0 end
 if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('HSET', KEYS[3], 'status', ARGV[6]) end
 redis.call('PUBLISH', ARGV[4], ARGV[5])
@@ -42,10 +51,9 @@ return 1
 # published only once the op is recoverable. The model's last seq moves too (max), so an owner dying right after
 # this write leaves the sequencer's position right. An optim_step counts towards the next durable checkpoint.
 # Returns the journal's length counted from its first entry ever (trimmed ones too), 0 or -1 as _PUT_RESULT.
-# KEYS: lease, result, request record, journal, last seq, journal base. ARGV: as _PUT_RESULT, then the entry, then
+# KEYS: (lease), result, request record, journal, last seq, journal base. ARGV: as _PUT_RESULT, then the entry, then
 # the seq_id ('' for none), then '1' for an optim_step.
 _PUT_JOURNALED = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
 if not redis.call('SET', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then return 0 end
 if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('HSET', KEYS[3], 'status', ARGV[6]) end
 local length = redis.call('RPUSH', KEYS[4], ARGV[7])
@@ -60,9 +68,8 @@ return length + tonumber(redis.call('HGET', KEYS[6], 'offset') or '0')
 
 # A durable checkpoint covers the whole journal as it stands: record it and drop every entry (worker/checkpointer.py).
 # Refused (0) unless the journal is still exactly `upto` entries long, so no entry the checkpoint lacks is dropped.
-# KEYS: lease, journal, journal base. ARGV: token, upto, the checkpoint's record.
+# KEYS: (lease), journal, journal base. ARGV: (token), upto, the checkpoint's record.
 _TRIM_JOURNAL = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
 local offset = tonumber(redis.call('HGET', KEYS[3], 'offset') or '0')
 if offset + redis.call('LLEN', KEYS[2]) ~= tonumber(ARGV[2]) then return 0 end
 redis.call('DEL', KEYS[2])
@@ -70,9 +77,8 @@ redis.call('HSET', KEYS[3], 'offset', ARGV[2], 'json', ARGV[3], 'steps', 0)
 return 1
 """
 
-# KEYS: lease, counter. ARGV: token, value, mode ("max" keeps the larger value, "set" overwrites).
+# KEYS: (lease), counter. ARGV: (token), value, mode ("max" keeps the larger value, "set" overwrites).
 _SET_COUNTER = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
 local current = tonumber(redis.call('GET', KEYS[2]))
 local value = tonumber(ARGV[2])
 if ARGV[3] == 'set' or current == nil or value > current then redis.call('SET', KEYS[2], value) end
@@ -80,24 +86,89 @@ return 1
 """
 
 
-# KEYS: lease, hash. ARGV: token, field, value.
+# KEYS: (lease), hash. ARGV: (token), field, value.
 _HSET = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
 return 1
 """
 
 
-# KEYS: lease, hash. ARGV: token, field.
+# KEYS: (lease), hash. ARGV: (token), field.
 _HDEL = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
 redis.call('HDEL', KEYS[2], ARGV[2])
 return 1
 """
 
 
+# A batch of commands run as one fenced step (Fence.pipeline). ARGV after the token: per command, its length, then
+# its words. pcall: like MULTI/EXEC, a failing command is an error in its slot, not the end of the batch.
+_EXEC = """
+local replies = {}
+local i = 2
+while i <= #ARGV do
+  local n = tonumber(ARGV[i])
+  table.insert(replies, redis.pcall(unpack(ARGV, i + 1, i + n)))
+  i = i + n + 1
+end
+return replies
+"""
+
+
 class FencedOut(RuntimeError):
     """This worker no longer owns the shard; its write was refused."""
+
+
+class FencedScript:
+    """A Lua script that runs only while the caller holds the shard's lease (LEASE_CHECK)."""
+
+    def __init__(self, fence: "Fence", body: str) -> None:
+        self.fence = fence
+        self.script = fence.connection.register_script(LEASE_CHECK + body)
+
+    def __call__(self, shard: int, script_keys: list[str], args: list, what: str, *, retry: bool = True):  # noqa: ANN204
+        """The script's reply; FencedOut if the lease on `shard` is not ours. `retry`: wait out a Redis outage and
+        run it again (only for scripts that are idempotent)."""
+        fence = self.fence
+
+        def call():  # noqa: ANN202
+            return self.script(keys=[keys.lease_key(shard), *script_keys], args=[fence.token(shard), *args])
+
+        reply = retrying(fence.connection, fence.outage_s, call, what) if retry else call()
+        if reply == -1:
+            raise FencedOut(f"lost the lease on shard {shard}; {what} not written")
+        return reply
+
+
+class FencedPipeline(Pipeline):
+    """A pipeline whose commands run as one Lua script (_EXEC) behind the shard's lease check: all of them or, for a
+    writer that lost the lease, none (FencedOut). Also the way RQ's own bookkeeping of a job is fenced: whatever
+    RQ queues in it runs only under the lease."""
+
+    def __init__(self, fence: "Fence", shard: int) -> None:
+        connection = fence.connection
+        super().__init__(connection.connection_pool, connection.response_callbacks, True, None)
+        self.fence, self.shard = fence, shard
+
+    def _execute_transaction(self, connection, commands, raise_on_error):  # noqa: ANN001, ANN202 - redis-py's
+        words: list = []
+        for args, options in commands:
+            options.pop("keys", None)
+            words += [len(args), *args]
+        connection.send_command("EVAL", LEASE_CHECK + _EXEC, 1, keys.lease_key(self.shard),
+                                self.fence.token(self.shard), *words)
+        response = self.parse_response(connection, "_")
+        if response == -1:
+            raise FencedOut(f"lost the lease on shard {self.shard}; a batch of {len(commands)} writes not made")
+        if raise_on_error:
+            self.raise_first_error(commands, response)
+        data = []
+        for reply, (args, options) in zip(response, commands):
+            callback = self.response_callbacks.get(args[0])
+            data.append(callback(reply, **options) if callback is not None and not isinstance(reply, Exception)
+                        else reply)
+        return data
+
+    _execute_pipeline = _execute_transaction
 
 
 class Fence:
@@ -112,12 +183,20 @@ class Fence:
         self._acquire = connection.register_script(_ACQUIRE)
         self._renew = connection.register_script(_RENEW)
         self._release = connection.register_script(_RELEASE)
-        self._put_result = connection.register_script(_PUT_RESULT)
-        self._put_journaled = connection.register_script(_PUT_JOURNALED)
-        self._trim_journal = connection.register_script(_TRIM_JOURNAL)
-        self._set_counter = connection.register_script(_SET_COUNTER)
-        self._hset = connection.register_script(_HSET)
-        self._hdel = connection.register_script(_HDEL)
+        self._put_result = self.script(_PUT_RESULT)
+        self._put_journaled = self.script(_PUT_JOURNALED)
+        self._trim_journal = self.script(_TRIM_JOURNAL)
+        self._set_counter = self.script(_SET_COUNTER)
+        self._hset = self.script(_HSET)
+        self._hdel = self.script(_HDEL)
+
+    def script(self, body: str) -> FencedScript:
+        """A fenced script: `body` runs after LEASE_CHECK (its keys from KEYS[2], its arguments from ARGV[2])."""
+        return FencedScript(self, body)
+
+    def pipeline(self, shard: int) -> FencedPipeline:
+        """Queue writes for the shard; `execute()` makes them all under its lease, or none (FencedOut)."""
+        return FencedPipeline(self, shard)
 
     def acquire(self, shards: list[int]) -> list[int]:
         """Try to take each free shard; return the ones newly taken."""
@@ -139,7 +218,7 @@ class Fence:
             if not self._renew(keys=[keys.lease_key(shard)], args=[token, self.ttl_ms])
         ]
         for shard in lost:
-            del self.tokens[shard]
+            self.tokens.pop(shard, None)
         return lost
 
     def release(self) -> None:
@@ -148,30 +227,22 @@ class Fence:
         self.tokens.clear()
 
     def forget(self, shards: list[int]) -> None:
-        """Shards found lost elsewhere (the claim saw another token): take them again only through `acquire`."""
+        """Shards found lost elsewhere (a fenced write was refused): take them again only through `acquire`."""
         for shard in shards:
             self.tokens.pop(shard, None)
-
-    def _write(self, script, script_keys: list[str], args: list, what: str):  # noqa: ANN001, ANN202
-        return retrying(self.connection, self.outage_s, lambda: script(keys=script_keys, args=args), what)
 
     def owns(self, shard: int) -> bool:
         return shard in self.tokens
 
-    def _token(self, shard: int) -> str:
+    def token(self, shard: int) -> str:
         # An unknown shard gets a token no lease can hold, so the write is refused, not unfenced.
         return self.tokens.get(shard, "-")
 
     def put_result(self, shard: int, request_id: str, payload: str, ttl_s: int, status: str) -> bool:
         """Store a result first-writer-wins. False if one was already stored; FencedOut if not owner."""
-        outcome = self._write(
-            self._put_result,
-            [keys.lease_key(shard), keys.result_key(request_id), keys.request_key(request_id)],
-            [self._token(shard), payload, ttl_s, keys.DONE_CHANNEL, request_id, status],
-            f"the result of {request_id}",
-        )
-        if outcome == -1:
-            raise FencedOut(f"lost the lease on shard {shard}; result of {request_id} not written")
+        outcome = self._put_result(
+            shard, [keys.result_key(request_id), keys.request_key(request_id)],
+            [payload, ttl_s, keys.DONE_CHANNEL, request_id, status], f"the result of {request_id}")
         return outcome == 1
 
     def put_result_journaled(self, shard: int, request_id: str, payload: str, ttl_s: int, status: str,
@@ -180,37 +251,54 @@ class Fence:
         """put_result that also appends `entry` to the model's journal (and moves its last seq up to `seq_id`).
         The journal's new length, trimmed entries included; 0 if a result was already stored (nothing appended);
         FencedOut if not owner."""
-        outcome = self._write(
-            self._put_journaled,
-            [keys.lease_key(shard), keys.result_key(request_id), keys.request_key(request_id), journal_key, seq_key,
-             base_key],
-            [self._token(shard), payload, ttl_s, keys.DONE_CHANNEL, request_id, status, entry,
-             "" if seq_id is None else seq_id, "1" if optim_step else "0"],
-            f"the result of {request_id}",
-        )
-        if outcome == -1:
-            raise FencedOut(f"lost the lease on shard {shard}; result of {request_id} not written")
+        outcome = self._put_journaled(
+            shard, [keys.result_key(request_id), keys.request_key(request_id), journal_key, seq_key, base_key],
+            [payload, ttl_s, keys.DONE_CHANNEL, request_id, status, entry, "" if seq_id is None else seq_id,
+             "1" if optim_step else "0"],
+            f"the result of {request_id}")
         return int(outcome)
 
     def trim_journal(self, shard: int, journal_key: str, base_key: str, upto: int, record: str) -> bool:
         """Record a checkpoint that covers the journal's `upto` entries and drop them. False if the journal grew
         meanwhile (nothing changes); FencedOut if not owner."""
-        outcome = self._write(self._trim_journal, [keys.lease_key(shard), journal_key, base_key],
-                              [self._token(shard), upto, record], journal_key)
-        if outcome == -1:
-            raise FencedOut(f"lost the lease on shard {shard}; {journal_key} not trimmed")
-        return outcome == 1
+        return self._trim_journal(shard, [journal_key, base_key], [upto, record], journal_key) == 1
 
     def set_counter(self, shard: int, key: str, value: int, *, only_up: bool = True) -> None:
-        outcome = self._write(self._set_counter, [keys.lease_key(shard), key],
-                              [self._token(shard), value, "max" if only_up else "set"], key)
-        if outcome == -1:
-            raise FencedOut(f"lost the lease on shard {shard}; {key} not written")
+        self._set_counter(shard, [key], [value, "max" if only_up else "set"], key)
 
     def hset(self, shard: int, key: str, field: str, value: str) -> None:
-        if self._write(self._hset, [keys.lease_key(shard), key], [self._token(shard), field, value], key) == -1:
-            raise FencedOut(f"lost the lease on shard {shard}; {key} not written")
+        self._hset(shard, [key], [field, value], key)
 
     def hdel(self, shard: int, key: str, field: str) -> None:
-        if self._write(self._hdel, [keys.lease_key(shard), key], [self._token(shard), field], key) == -1:
-            raise FencedOut(f"lost the lease on shard {shard}; {key} not written")
+        self._hdel(shard, [key], [field], key)
+
+
+# The commands RQ's bookkeeping of a job writes with (worker/rq_worker.py): fenced while a job is in hand.
+_WRITES = frozenset({"SET", "DEL", "UNLINK", "EXPIRE", "PEXPIRE", "PERSIST", "HSET", "HMSET", "HDEL", "HINCRBY",
+                     "HINCRBYFLOAT", "LPUSH", "RPUSH", "LREM", "SADD", "SREM", "ZADD", "ZREM", "XADD", "XTRIM",
+                     "INCR", "INCRBY"})
+
+
+class FencedRedis(Redis):
+    """The RQ worker's client: while `shard` is set (a job of that shard is in hand), every write it or the job
+    makes, in a pipeline or not, runs behind the shard's lease (FencedPipeline), so RQ's own records of a job (its
+    hash, execution, registries) are never written by a worker that lost the shard. Reads and the worker's writes
+    between jobs go straight through."""
+
+    def __init__(self, fence: Fence) -> None:
+        super().__init__(connection_pool=fence.connection.connection_pool)
+        self.fence = fence
+        self.shard: int | None = None
+
+    def pipeline(self, transaction: bool = True, shard_hint: str | None = None) -> Pipeline:
+        shard = self.shard
+        return FencedPipeline(self.fence, shard) if shard is not None else super().pipeline(transaction, shard_hint)
+
+    def execute_command(self, *args, **options):  # noqa: ANN002, ANN003, ANN201 - redis-py's
+        shard = self.shard
+        name = args[0].upper() if isinstance(args[0], str) else args[0]
+        if shard is None or name not in _WRITES:
+            return super().execute_command(*args, **options)
+        with FencedPipeline(self.fence, shard) as pipe:
+            pipe.execute_command(*args, **options)
+            return pipe.execute()[0]

@@ -1,5 +1,6 @@
 """Training ops held for their turn (worker/sequencing.py): per model, the held request ids by seq_id and their
-payloads; per shard, each held op's deadline. An op leaves through `take`, which only one caller wins."""
+payloads; per shard, each held op's deadline. An op leaves through `take`, which only one caller wins. Every write
+is fenced (worker/fencing.py): a former owner woken from a pause can neither park an op nor take one out."""
 
 import json
 import time
@@ -8,28 +9,52 @@ from redis import Redis
 
 from schemas import Request, parse_request
 from tinkerq import keys
+from worker.fencing import Fence
+
+# KEYS: (lease), payloads, held set, deadlines. ARGV: (token), id, payload, seq_id, deadline member, deadline.
+_HOLD = """
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+redis.call('ZADD', KEYS[3], ARGV[4], ARGV[2])
+redis.call('ZADD', KEYS[4], ARGV[6], ARGV[5])
+return 1
+"""
+
+# KEYS: (lease), held set, payloads, deadlines. ARGV: (token), id, deadline member. The payload, or false if
+# another caller took it first.
+_TAKE = """
+if redis.call('ZREM', KEYS[2], ARGV[2]) == 0 then return false end
+local payload = redis.call('HGET', KEYS[3], ARGV[2])
+redis.call('HDEL', KEYS[3], ARGV[2])
+redis.call('ZREM', KEYS[4], ARGV[3])
+return payload
+"""
+
+# KEYS: (lease), deadlines. ARGV: (token), deadline member.
+_FORGET_DEADLINE = """
+redis.call('ZREM', KEYS[2], ARGV[2])
+return 1
+"""
 
 
 class HeldOps:
-    def __init__(self, connection: Redis) -> None:
+    def __init__(self, connection: Redis, fence: Fence) -> None:
         self.connection = connection
+        self._hold = fence.script(_HOLD)
+        self._take = fence.script(_TAKE)
+        self._forget_deadline = fence.script(_FORGET_DEADLINE)
 
     def hold(self, shard: int, rid: str, request: Request, deadline: float) -> None:
-        with self.connection.pipeline() as pipe:
-            pipe.hset(keys.held_payload_key(request.model_id), rid, request.model_dump_json())
-            pipe.zadd(keys.held_key(request.model_id), {rid: request.seq_id})
-            pipe.zadd(keys.held_deadlines_key(shard), {_member(rid, request.model_id): deadline})
-            pipe.execute()
+        model_id = request.model_id
+        self._hold(shard, [keys.held_payload_key(model_id), keys.held_key(model_id), keys.held_deadlines_key(shard)],
+                   [rid, request.model_dump_json(), request.seq_id, _member(rid, model_id), deadline],
+                   f"held op {rid}")
 
     def take(self, shard: int, rid: str, model_id: str) -> Request | None:
-        """Take a held op out of the parked set; None if someone else already did."""
-        if not self.connection.zrem(keys.held_key(model_id), rid):
-            return None
-        with self.connection.pipeline() as pipe:
-            pipe.hget(keys.held_payload_key(model_id), rid)
-            pipe.hdel(keys.held_payload_key(model_id), rid)
-            pipe.zrem(keys.held_deadlines_key(shard), _member(rid, model_id))
-            payload = pipe.execute()[0]
+        """Take a held op out of the parked set; None if someone else already did. Not retried across an outage: a
+        take whose reply was lost would look like someone else's."""
+        payload = self._take(shard, [keys.held_key(model_id), keys.held_payload_key(model_id),
+                                     keys.held_deadlines_key(shard)], [rid, _member(rid, model_id)],
+                             f"the take of held op {rid}", retry=False)
         return parse_request(json.loads(payload)) if payload else None
 
     def first(self, model_id: str) -> tuple[str, int] | None:
@@ -50,7 +75,8 @@ class HeldOps:
                 self.connection.zrangebyscore(keys.held_deadlines_key(shard), "-inf", time.time())]
 
     def forget_deadline(self, shard: int, rid: str, model_id: str) -> None:
-        self.connection.zrem(keys.held_deadlines_key(shard), _member(rid, model_id))
+        self._forget_deadline(shard, [keys.held_deadlines_key(shard)], [_member(rid, model_id)],
+                              f"the deadline of held op {rid}")
 
 
 def _member(rid: str, model_id: str) -> str:

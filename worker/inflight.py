@@ -8,14 +8,15 @@ from redis import Redis
 from redis.client import Pipeline
 
 from tinkerq import keys
+from worker.fencing import Fence
 
-# KEYS: queue, in-flight list. ARGV: job ids. Moves each id still queued; returns the ids moved.
+# KEYS: (lease), queue, in-flight list. ARGV: (token), job ids. Moves each id still queued; returns the ids moved.
 _CLAIM = """
 local claimed = {}
-for _, id in ipairs(ARGV) do
-  if redis.call('LREM', KEYS[1], 1, id) == 1 then
-    redis.call('RPUSH', KEYS[2], id)
-    table.insert(claimed, id)
+for i = 2, #ARGV do
+  if redis.call('LREM', KEYS[2], 1, ARGV[i]) == 1 then
+    redis.call('RPUSH', KEYS[3], ARGV[i])
+    table.insert(claimed, ARGV[i])
   end
 end
 return claimed
@@ -23,16 +24,21 @@ return claimed
 
 
 class InFlightList:
-    def __init__(self, shard: int, connection: Redis) -> None:
+    def __init__(self, shard: int, connection: Redis, fence: Fence | None = None) -> None:
+        self.shard = shard
         self.key = keys.inflight_key(shard)
         self.connection = connection
-        self._claim = connection.register_script(_CLAIM)
+        self._claim = fence.script(_CLAIM) if fence is not None else None
 
     def claim(self, queue_key: str, job_ids: list[str]) -> list[str]:
-        """Move the ids still in the queue here, in one step; returns those moved, in order."""
+        """Move the ids still in the queue here, in one step under the shard's lease; returns those moved, in
+        order (FencedOut if the lease is not ours)."""
         if not job_ids:
             return []
-        return [rid.decode() for rid in self._claim(keys=[queue_key, self.key], args=job_ids)]
+        if self._claim is None:
+            raise RuntimeError("an in-flight list built without a fence only reads and removes")
+        return [rid.decode() for rid in self._claim(self.shard, [queue_key, self.key], job_ids,
+                                                    f"the claim of {len(job_ids)} samples", retry=False)]
 
     def job_ids(self) -> list[str]:
         return [rid.decode() for rid in self.connection.lrange(self.key, 0, -1)]

@@ -18,7 +18,7 @@ from tinkerq.config import QueueConfig
 from tinkerq.keys import shard_of_queue
 from worker.claim import Claimer
 from worker.dispatcher import Dispatcher
-from worker.fencing import Fence
+from worker.fencing import Fence, FencedOut, FencedRedis
 from worker.outage import REDIS_DOWN, wait_for_redis
 from worker.recovery import recover
 from worker.rq_worker import LostJob, ShardQueue, ShardWorker
@@ -26,6 +26,17 @@ from worker.runtime import Runtime
 from worker.shutdown import StopWatchdog
 
 log = logging.getLogger(__name__)
+
+
+def worker_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+
+
+def connect(url: str, config: QueueConfig, name: str) -> Redis:
+    """A worker's Redis client: every call bounded (connect and read), so a frozen Redis is an outage the worker
+    rides out instead of a hang; its connections named after the worker (CLIENT LIST, MONITOR)."""
+    return Redis.from_url(url, socket_timeout=config.redis_socket_timeout_s,
+                          socket_connect_timeout=min(5.0, config.redis_socket_timeout_s), client_name=name)
 
 
 class WorkerProcess:
@@ -36,6 +47,7 @@ class WorkerProcess:
         config: QueueConfig | None = None,
         shards: list[int] | None = None,
         limits: Limits | None = None,
+        name: str | None = None,
     ) -> None:
         self.connection = connection
         self.config = config or QueueConfig()
@@ -43,7 +55,7 @@ class WorkerProcess:
         self.wanted = sorted(set(shards)) if shards is not None else list(range(self.config.num_shards))
         if any(not 0 <= s < self.config.num_shards for s in self.wanted):
             raise ValueError(f"shards must lie in [0, {self.config.num_shards}); got {self.wanted}")
-        self.name = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+        self.name = name or worker_name()
         self.fence = Fence(connection, self.name, self.config.lease_ttl_ms, self.config.redis_outage_s)
         self.claimer = Claimer(connection, self.fence)
         self.dispatcher = Dispatcher(connection, runtime, self.fence, self.config, limits)
@@ -64,7 +76,7 @@ class WorkerProcess:
         for shard in taken:
             queue = self._queue(shard)
             self.connection.sadd(queue.redis_queues_keys, queue.key)  # listed in the dashboard while empty
-            recover(self.connection, queue)
+            self._recover(shard)
         if taken:
             log.info("worker %s now owns shards %s", self.name, sorted(self.fence.tokens))
         return taken
@@ -170,16 +182,23 @@ class WorkerProcess:
         if lost:
             log.warning("worker %s: its leases on shards %s lapsed while Redis was away", self.name, lost)
         for shard in sorted(self.fence.tokens):
-            recover(self.connection, self._queue(shard))
+            self._recover(shard)
         log.warning("worker %s: Redis is back; resuming", self.name)
         return True
+
+    def _recover(self, shard: int) -> None:
+        try:
+            recover(self.connection, self._queue(shard), self.fence)
+        except FencedOut:  # paused past the lease while recovering: the shard and its recovery are someone else's
+            log.warning("worker %s lost shard %d while recovering it", self.name, shard)
+            self.fence.forget([shard])
 
     def _new_rq_worker(self) -> ShardWorker:
         self._incarnation += 1
         worker = ShardWorker(
             [self._queue(shard) for shard in sorted(self.fence.tokens)],
             claimer=self.claimer,
-            connection=self.connection,
+            connection=FencedRedis(self.fence),
             name=f"{self.name}-{self._incarnation}",
             tick_s=self.config.tick_s,
             on_tick=self._tick,
@@ -194,14 +213,25 @@ class WorkerProcess:
 
     def _tick(self) -> None:
         for shard in list(self.fence.tokens):
-            self.dispatcher.sequencer.sweep(shard)
+            try:
+                self.dispatcher.sequencer.sweep(shard)
+            except FencedOut:  # woken after a takeover: the parked ops are the new owner's
+                if self.rq_worker is not None:
+                    self.rq_worker.lost_shard(shard)
+                else:
+                    self.fence.forget([shard])
 
     def _on_job_exception(self, job, exc_type, exc_value, traceback) -> bool:
         self.dispatcher.internal_error(job, exc_type, exc_value)
         return True  # let RQ go on to mark it FAILED
 
     def _on_unloadable(self, job_id: str, queue: Queue, exc: Exception) -> None:
-        self.connection.lrem(queue.intermediate_queue_key, 0, job_id)
+        try:
+            self.claimer.done(queue.key, job_id, count=0)
+        except FencedOut:
+            if self.rq_worker is not None:
+                self.rq_worker.lost_shard(shard_of_queue(queue.name))
+            return
         if isinstance(exc, LostJob):
             error = ErrorResponse(error=str(exc), status=500, code="job_lost")
         else:

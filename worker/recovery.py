@@ -18,13 +18,16 @@ from rq.registry import StartedJobRegistry
 
 from tinkerq import keys
 from tinkerq.keys import shard_of_queue
+from worker.fencing import Fence
 from worker.inflight import InFlightList
 
 log = logging.getLogger(__name__)
 
 
-def recover(connection: Redis, queue: Queue) -> list[str]:
-    """Requeue unfinished in-flight jobs at the front; return their ids in the order requeued."""
+def recover(connection: Redis, queue: Queue, fence: Fence) -> list[str]:
+    """Requeue unfinished in-flight jobs at the front; return their ids in the order requeued. Each move is fenced
+    by the shard's lease (FencedOut once it is not ours): a recovery paused and resumed after a successor took the
+    shard moves nothing of its."""
     intermediate = IntermediateQueue(queue.key, connection)
     registry = StartedJobRegistry(queue=queue)
     candidates = [i.decode() if isinstance(i, bytes) else i for i in connection.lrange(intermediate.key, 0, -1)]
@@ -40,7 +43,7 @@ def recover(connection: Redis, queue: Queue) -> list[str]:
     requeued = []
     for rid in reversed(ordered):  # pushing at the front in reverse keeps the original order
         job = _fetch(connection, queue, rid)
-        with connection.pipeline() as pipe:
+        with fence.pipeline(shard_of_queue(queue.name)) as pipe:
             pipe.lrem(intermediate.key, 0, rid)
             inflight.remove(rid, pipe, count=0)
             for execution_id in started.get(rid, ()):

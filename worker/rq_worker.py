@@ -28,6 +28,7 @@ worker's success and failure paths), `BaseWorker.dequeue_job_and_maintain_ttl` (
 
 import logging
 import signal
+import sys
 import threading
 import zlib
 from collections.abc import Callable
@@ -35,16 +36,16 @@ from typing import Any, Protocol
 
 from rq import Queue, SimpleWorker
 from rq.exceptions import StopRequested
-from rq.intermediate_queue import IntermediateQueue
-from rq.job import Job, JobStatus
+from rq.job import Job
+from rq.utils import now
 from rq.worker import WorkerStatus
 
 from tinkerq.keys import shard_of_queue
 from worker import admission
 from tinkerq.jobs import JOB_NAMES
 from worker.admission import Refused, Verdict
-from worker.claim import Claimer
-from worker.fencing import FencedOut
+from worker.claim import Claimer, shard_of_key
+from worker.fencing import FencedOut, FencedRedis
 from worker.outage import REDIS_DOWN, RedisGone
 
 log = logging.getLogger(__name__)
@@ -266,6 +267,9 @@ class ShardWorker(SimpleWorker):
         super().prepare_job_execution(job, remove_from_intermediate_queue=False)
 
     def execute_job(self, job: Job, queue) -> None:
+        fenced = isinstance(self.connection, FencedRedis)
+        if fenced:  # RQ's writes for this job, from here to its end, only under the shard's lease
+            self.connection.shard = shard_of_queue(queue.name)
         try:
             execution = self.prepare_execution(job)
             self.running = (job, execution)
@@ -276,11 +280,26 @@ class ShardWorker(SimpleWorker):
                     self.running = None
             if job.transient is None:
                 self.claimer.done(queue.key, job.id)
-            self.set_state(WorkerStatus.IDLE)
+        except FencedOut as exc:  # a fenced write outside the job (RQ's bookkeeping, the end of the claim)
+            job.transient = exc
         except REDIS_DOWN as exc:  # RQ's own bookkeeping failed: the job stays in flight, recovery requeues it
             self._outage(exc)
+        finally:
+            if fenced:
+                self.connection.shard = None
+        if isinstance(job.transient, FencedOut):
+            self.lost_shard(shard_of_queue(queue.name))
+        self.set_state(WorkerStatus.IDLE)
         if job.transient is not None and not isinstance(job.transient, FencedOut):
             self._outage(job.transient)
+
+    def lost_shard(self, shard: int) -> None:
+        """A fenced write was refused: the shard is someone else's now. This worker stops treating it as its own
+        and touches nothing of it (its claims, parked ops and jobs are the new owner's to recover)."""
+        log.warning("worker %s: shard %d is no longer its own (a fenced write was refused); it stops", self.name,
+                    shard)
+        self.claimer.fence.forget([shard])
+        self.stop("lost leases")
 
     def handle_exception(self, job: Job, *exc_info) -> None:
         if isinstance(exc_info[1], TRANSIENT):
@@ -288,31 +307,32 @@ class ShardWorker(SimpleWorker):
             return
         super().handle_exception(job, *exc_info)
 
+    def handle_execution_ended(self, job: Job, queue, heartbeat_ttl: int) -> None:  # noqa: ANN001
+        # RQ writes the job's heartbeat here, unfenced, even for a job that failed because its lease was lost.
+        job.ended_at = now()
+        if not isinstance(sys.exc_info()[1], TRANSIENT):
+            job.heartbeat(now(), heartbeat_ttl)
+
     def handle_job_failure(self, job: Job, queue, started_job_registry=None, exc_string="",  # noqa: ANN001
                            execution=None) -> None:
         if job.transient is None:
             return super().handle_job_failure(job, queue, started_job_registry, exc_string, execution)
-        if not isinstance(job.transient, FencedOut):
-            return None  # Redis is away: the job stays in flight; recovery requeues it once Redis is back
-        log.warning("job %s: the lease on its shard was lost; it goes back to the head of its queue", job.id)
-        try:
-            with self.connection.pipeline() as pipe:  # first out of the registry (else RQ would fail it later)
-                if execution is not None:
-                    self.cleanup_execution(job, pipe, execution)
-                job.set_status(JobStatus.QUEUED, pipeline=pipe)
-                pipe.execute()
-            self.claimer.put_back(queue.key, job.id)
-        except REDIS_DOWN as exc:
-            job.transient = exc
-        self.claimer.fence.forget([shard_of_queue(queue.name)])
-        self.stop("lost leases")
+        # Redis is away: the job stays in flight; recovery requeues it once Redis is back. Lease lost: the job, its
+        # claim and its execution record are the new owner's (its recovery requeues them): nothing is written.
         return None
 
     def keep_running_job_alive(self) -> None:
-        """Called from the side thread: refresh RQ's heartbeats for the job in progress."""
+        """Called from the side thread: refresh RQ's heartbeats for the job in progress, only while its shard is
+        ours (the lease renewal just before says so; after a takeover the job's records are the new owner's)."""
         with self._heartbeat_lock:
             if self.running is not None:
-                self.maintain_heartbeats(*self.running)
+                job, execution = self.running
+                if self.claimer.fence.owns(shard_of_queue(job.origin)):
+                    try:
+                        self.maintain_heartbeats(job, execution)
+                    except FencedOut:  # lost meanwhile: the main loop finds out at its next fenced write
+                        log.warning("worker %s: the lease on %s was lost; its job's heartbeat stops", self.name,
+                                    job.origin)
 
     def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):  # noqa: ANN001, ANN201
         """Claim the next job (worker/claim.py) instead of RQ's pop. A job that cannot be loaded is answered, a
@@ -346,7 +366,10 @@ class ShardWorker(SimpleWorker):
         queue_key, raw = popped
         if admission.job_id(raw) is None:
             log.error("%s", BadQueueEntry(raw, queue_key))
-            self.connection.lrem(IntermediateQueue.get_intermediate_queue_key(queue_key), 1, raw)
+            try:
+                self.claimer.done(queue_key, raw)
+            except FencedOut:
+                self.lost_shard(shard_of_key(queue_key))
             return False
         job_id = raw.decode()
         try:

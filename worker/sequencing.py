@@ -14,7 +14,7 @@ from redis import Redis
 
 from schemas import ErrorResponse, Request
 from tinkerq import keys
-from worker.fencing import Fence
+from worker.fencing import Fence, FencedOut
 from worker.held import HeldOps
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class Sequencer:
         self.gap_timeout_s = gap_timeout_s
         self.execute = execute
         self.finish = finish
-        self.held = HeldOps(connection)
+        self.held = HeldOps(connection, fence)
 
     def last_seq(self, model_id: str) -> int:
         """The last seq_id that took its turn: run here, or refused by the API at submit (it never reached the
@@ -97,8 +97,8 @@ class Sequencer:
             try:
                 self._run_in_order(shard, rid, request)
             except Exception as exc:
-                if type(exc).__name__ == "JobTimeoutException":
-                    raise  # the job in hand ran out of time: stop here
+                if type(exc).__name__ == "JobTimeoutException" or isinstance(exc, FencedOut):
+                    raise  # the job in hand ran out of time, or the shard is no longer ours: stop here
                 log.exception("parked op %s failed; its error result is stored", rid)
 
     def sweep(self, shard: int) -> None:
