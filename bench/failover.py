@@ -74,12 +74,15 @@ def one_round(args, redis: Redis, url: str, workdir: Path, index: int) -> dict:
     env = {"TINKERQ_RUNTIME": args.runtime, "TINKERQ_NUM_SHARDS": str(args.shards),
            "TINKERQ_LEASE_TTL_MS": str(args.lease_ttl_ms), "TINKERQ_CHECKPOINT_ROOT": str(workdir)}
     redis.flushdb()
-    owner = TinkerqProc(["worker", "--redis-url", url, "--log-level", "WARNING"], env, workdir)
-    standby = None
+
+    def start() -> TinkerqProc:
+        return TinkerqProc(["worker", "--redis-url", url, "--log-level", "WARNING"], env, workdir)
+
+    owner, standby = start(), None
     producer = Producer(redis, config)
     try:
         wait_until(lambda: all(r.owner for r in shard_rows(redis, args.shards)), 60, "A's leases")
-        standby = TinkerqProc(["worker", "--redis-url", url, "--log-level", "WARNING"], env, workdir)
+        standby = start()
         model = f"failover:train:{index}"
         train(producer, model, args.train_steps, args.base)
         sample = SampleRequest(model_id=model, prompt_tokens=[1, 2], sampling_params=SamplingParams(max_tokens=2))

@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import sys
 import tempfile
 import time
@@ -62,7 +63,7 @@ def measure(args, redis: Redis, url: str, workdir: Path, workers: int, delay: fl
     finally:
         producer.close()
         for proc in procs:
-            proc.kill(15)
+            proc.kill(signal.SIGTERM)
     return {"workers": workers, "delay_per_token_s": delay, "requests": args.requests, "seconds": took,
             "requests_per_s": args.requests / took}
 
