@@ -2,6 +2,7 @@
 
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -243,15 +244,20 @@ def _many_pollers(api, drain, r):
         answers.append(post(api, "retrieve_future", {"request_id": rid}).json())
 
     pollers = [threading.Thread(target=poll) for _ in range(16)]
+    started = time.monotonic()
     for t in pollers:
         t.start()
-    threading.Event().wait(0.2)
+    threading.Event().wait(1.0)  # long enough that a poller reading Redis in a loop would show
     drain()  # the worker stores the result and announces it once
     for t in pollers:
         t.join()
+    elapsed = time.monotonic() - started
     assert [a.get("metrics", {}).get("step:max") for a in answers] == [1.0] * 16
     gets = int(r.info("commandstats")["cmdstat_get"]["calls"]) - gets_before
-    assert gets < 16 * 3, f"{gets} GETs for 16 pollers"
+    # Each poller reads the result once on arrival, once when the listener wakes it, once more per 5 s of
+    # waiting (a loaded machine drains slowly) or per reconnect of the listener; the worker reads a few keys.
+    bound = 16 * (3 + int(elapsed // 5)) + 8
+    assert gets <= bound, f"{gets} GETs for 16 pollers in {elapsed:.1f} s (at most {bound})"
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False)

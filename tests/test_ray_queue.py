@@ -194,7 +194,7 @@ def test_the_ray_worker_serves_through_the_queue_what_the_in_process_worker_serv
         local_tickets = [reference.submit(op) for op in program("same:train:0")]
         burst_worker(other, queue_config, tmp_path, runtime="torch", **RUNTIME).run(burst=True, logging_level="WARNING")
     finally:
-        torch.set_num_threads(threads)
+        torch._C.set_num_threads(threads)  # torch.set_num_threads is a no-op once vLLM ran here
     local = results(reference, local_tickets, timeout=5)
     producer = Producer(connection, queue_config)
     distributed = results(producer, [producer.submit(op) for op in program("same:train:0")])

@@ -57,7 +57,7 @@ def runtimes(ray_cluster, tmp_path_factory):
     distributed = build_runtime(config(tmp_path_factory.mktemp("ray"), runtime="auto", ray_gpus=2))
     yield local, distributed
     distributed.engine.close()
-    torch.set_num_threads(threads)
+    torch._C.set_num_threads(threads)  # torch.set_num_threads is a no-op once vLLM ran here
 
 
 def create(rt, model_id: str) -> None:

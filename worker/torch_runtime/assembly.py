@@ -30,11 +30,15 @@ def make_engine(config: RuntimeConfig, bases: BaseModels) -> Engine:
 
 
 def set_threads(config: RuntimeConfig) -> None:
-    """torch's intra-op threads for this process, where the settings name a count."""
+    """torch's intra-op threads for this process, where the settings name a count.
+
+    Through torch._C: a vLLM CPU engine started earlier in this process replaces `torch.set_num_threads` with a
+    no-op (vllm/v1/worker/cpu_worker.py, after it binds its threads), which would leave MKL on every core, so
+    that the float32 sums of this runtime differed from a process that honoured the count."""
     if config.torch_threads:
         import torch
 
-        torch.set_num_threads(config.torch_threads)
+        torch._C.set_num_threads(config.torch_threads)
 
 
 def make_trainer(config: RuntimeConfig, bases: BaseModels) -> TorchTrainer:
