@@ -372,7 +372,8 @@ def parse_variants(text: str) -> dict[str, TrainOptions]:
         changes = {}
         for field in filter(None, fields.split(";")):
             key, _, value = field.partition("=")
-            changes[key] = float(value) if "." in value or value in ("inf",) or "e" in value else int(value)
+            changes[key] = (value == "True" if value in ("True", "False")
+                            else float(value) if "." in value or value in ("inf",) or "e" in value else int(value))
         out[label] = replace(base, **changes)
     return out
 

@@ -21,6 +21,8 @@ from worker.runtime.base import DomainError
 from worker.torch_runtime import losses
 from worker.torch_runtime.activation_checkpointing import checkpointed, layer_bytes_per_token, layers_to_checkpoint
 from worker.torch_runtime.base_models import LoadedBase
+from worker.torch_runtime.fused_kernels import available as fused_kernels_available
+from worker.torch_runtime.fused_kernels import fused_kernels
 from worker.torch_runtime.lora_compute import lean_lora
 from worker.torch_runtime.packed_attention import packed
 from worker.torch_runtime.packing import Flat, MicroBatch, flatten, micro_batches
@@ -46,11 +48,12 @@ class TrainOptions:
     micro_batch_tokens: int = 16384  # tokens per pass through the model; gradients accumulate over passes
     logits_chunk_elements: int = 1 << 27  # logits values alive at once in the unembedding (x 8 bytes at peak)
     activation_budget_bytes: float = math.inf  # activations kept whole per micro-batch; the rest is recomputed
+    fused_kernels: bool = False  # Liger's RMSNorm / SwiGLU / rotary kernels (fused_kernels.py; CUDA only)
 
     @classmethod
     def for_device(cls, device: torch.device) -> "TrainOptions":
         if device.type == "cuda":
-            return cls(activation_budget_bytes=12 * 2**30)
+            return cls(activation_budget_bytes=12 * 2**30, fused_kernels=fused_kernels_available(device))
         return cls()
 
 
@@ -75,7 +78,8 @@ def forward_request(base: LoadedBase, adapter: str, request: ForwardRequest, bac
     flat = flatten(request.data, base.vocab_size, base.device)
     tokens, targets = flat.tokens.to(base.device), flat.targets.to(base.device)
     passes = []
-    with torch.set_grad_enabled(backward), packed(causal.config), lean_lora(), _committed_on_success(params, backward):
+    with (torch.set_grad_enabled(backward), packed(causal.config), lean_lora(),
+          fused_kernels(causal, options.fused_kernels), _committed_on_success(params, backward)):
         for batch in micro_batches(flat, options.micro_batch_tokens, base.device):
             count = _checkpoint_count(decoder, causal.config, batch, options) if backward else 0
             with checkpointed(list(getattr(decoder, "layers", [])), count):

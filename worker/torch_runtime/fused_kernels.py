@@ -1,0 +1,83 @@
+"""Liger-Kernel's fused Triton kernels for the decoder's elementwise work, inside the trainer's forward on CUDA.
+
+HF's Llama-style layers (Qwen2, Qwen3, Llama, Mistral) compute RMSNorm as five torch ops in float32 (cast, square,
+mean, rsqrt, multiply, cast back), SiLU(gate) x up as two, and rotary as four per tensor: each a pass over a
+[tokens, width] tensor in the forward, again in the backward, and again in a checkpointed layer's recompute.
+Liger fuses each into one kernel, forward and backward, computing what HF computes (its "llama" casting mode
+takes the inverse RMS in float32, as HF does) up to bf16 rounding. The model's classes are patched for the
+duration of one trainer call, as `lean_lora` patches peft's, so the sampler keeps HF's code. Where the model is
+not of such a family, its MLP is not SiLU-gated, or liger_kernel / Triton are not installed, nothing changes:
+the CPU path stays the exact, plain one.
+"""
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
+import torch
+
+FAMILIES = {"qwen2", "qwen3", "llama", "mistral"}
+
+
+def available(device: torch.device) -> bool:
+    return (device.type == "cuda" and importlib.util.find_spec("liger_kernel") is not None
+            and importlib.util.find_spec("triton") is not None)
+
+
+def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    from liger_kernel.transformers.functional import liger_rms_norm
+
+    # not in place: the norm's output gradient is also read by the residual branch's bookkeeping in autograd
+    return liger_rms_norm(hidden_states, self.weight, self.variance_epsilon, casting_mode="llama", in_place=False)
+
+
+def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    from liger_kernel.transformers.functional import liger_swiglu
+
+    return self.down_proj(liger_swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def _apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1):
+    from liger_kernel.transformers.functional import liger_rope
+
+    return liger_rope(q, k, cos, sin, None, unsqueeze_dim)
+
+
+@contextmanager
+def _patched(owner: object, name: str, value: object) -> Iterator[None]:
+    previous = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, previous)
+
+
+def _patches(model: torch.nn.Module) -> list[tuple[object, str, object]]:
+    """(owner, attribute, replacement) for the model's family; none for another family."""
+    config = model.config
+    if getattr(config, "model_type", None) not in FAMILIES:
+        return []
+    module = sys.modules[type(model).__module__]  # transformers.models.<family>.modeling_<family>
+    prefix = type(model).__name__.removesuffix("ForCausalLM")
+    patches: list[tuple[object, str, object]] = []
+    norm = getattr(module, f"{prefix}RMSNorm", None)
+    if norm is not None:
+        patches.append((norm, "forward", _rms_norm_forward))
+    mlp = getattr(module, f"{prefix}MLP", None)
+    if mlp is not None and getattr(config, "hidden_act", None) in ("silu", "swish"):
+        patches.append((mlp, "forward", _mlp_forward))
+    if hasattr(module, "apply_rotary_pos_emb"):
+        patches.append((module, "apply_rotary_pos_emb", _apply_rotary_pos_emb))
+    return patches
+
+
+@contextmanager
+def fused_kernels(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
+    """Liger's kernels in the model's RMSNorm, MLP and rotary for the duration (a no-op unless `enabled`)."""
+    with ExitStack() as stack:
+        if enabled:
+            for owner, name, value in _patches(model):
+                stack.enter_context(_patched(owner, name, value))
+        yield
