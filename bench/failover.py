@@ -34,6 +34,7 @@ from schemas import (  # noqa: E402
     Datum,
     ErrorResponse,
     ForwardBackwardRequest,
+    LoraConfig,
     OptimStepRequest,
     SampleRequest,
     SamplingParams,
@@ -60,9 +61,10 @@ def served(producer: Producer, request_id: str, timeout_s: float = 120):
 
 
 def train(producer: Producer, model: str, steps: int, base: str) -> None:
-    ops = [CreateModelRequest(model_id=model, base_model=base)]
+    ops = [CreateModelRequest(model_id=model, base_model=base, lora=LoraConfig(rank=4))]  # a real model's needs
+    datum = Datum(model_input=[1, 2, 3], loss_fn_inputs={"target_tokens": [2.0, 3.0, 4.0]})
     for step in range(steps):
-        ops += [ForwardBackwardRequest(model_id=model, seq_id=2 * step + 1, data=[Datum(model_input=[1, 2, 3])]),
+        ops += [ForwardBackwardRequest(model_id=model, seq_id=2 * step + 1, data=[datum]),
                 OptimStepRequest(model_id=model, seq_id=2 * step + 2)]
     ops.append(WeightSyncRequest(model_id=model))
     for ticket in [producer.submit(op) for op in ops]:

@@ -13,7 +13,7 @@ RedisUrl = Annotated[str, typer.Option("--redis-url", envvar="REDIS_URL", help="
 
 
 def _shards(spec: str | None) -> list[int] | None:
-    if not spec:
+    if not spec or spec == "auto":
         return None
     try:
         return [int(part) for part in spec.split(",") if part.strip()]
@@ -24,7 +24,9 @@ def _shards(spec: str | None) -> list[int] | None:
 @app.command()
 def worker(
     redis_url: RedisUrl = "redis://127.0.0.1:6379/0",
-    shards: Annotated[Optional[str], typer.Option(help="comma-separated shard ids; default: every shard")] = None,
+    shards: Annotated[Optional[str], typer.Option(
+        help="comma-separated shard ids, or auto: split every shard evenly with the other auto workers and "
+             "rebalance as workers join and leave; default: every shard it can take")] = None,
     runtime: Annotated[Optional[str], typer.Option(
         help="auto (torch: a real model) | torch | reference (the test stand-in) | module:factory")] = None,
     engine: Annotated[Optional[str], typer.Option(help="torch runtime's engine: auto | vllm | torch")] = None,
@@ -53,7 +55,8 @@ def worker(
     loaded = build_runtime(RuntimeConfig())
     try:
         config, name = QueueConfig(), worker_name()
-        process = WorkerProcess(connect(redis_url, config, name), loaded, config, shards=_shards(shards), name=name)
+        process = WorkerProcess(connect(redis_url, config, name), loaded, config, shards=_shards(shards), name=name,
+                                balanced=shards == "auto")
         process.run(burst=burst, logging_level=log_level)
     finally:
         _close(loaded.engine)

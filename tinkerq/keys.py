@@ -137,6 +137,9 @@ def epoch_key(shard: int) -> str:
     return f"{PREFIX}:shard:{shard}:epoch"
 
 
+WORKERS_KEY = f"{PREFIX}:workers"  # balanced workers (`--shards auto`) by their last heartbeat, in ms
+
+
 def drain_key(worker: str) -> str:
     """Set by `tinkerq drain WORKER`: the worker of that name finishes what it holds, checkpoints its models,
     releases its shards and exits."""

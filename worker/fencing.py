@@ -221,10 +221,12 @@ class Fence:
             self.tokens.pop(shard, None)
         return lost
 
-    def release(self) -> None:
-        for shard, token in list(self.tokens.items()):
-            self._release(keys=[keys.lease_key(shard)], args=[token])
-        self.tokens.clear()
+    def release(self, shards: list[int] | None = None) -> None:
+        """Give up these leases (every one by default), so another worker can take them at once."""
+        for shard in list(self.tokens) if shards is None else shards:
+            token = self.tokens.pop(shard, None)
+            if token is not None:
+                self._release(keys=[keys.lease_key(shard)], args=[token])
 
     def forget(self, shards: list[int]) -> None:
         """Shards found lost elsewhere (a fenced write was refused): take them again only through `acquire`."""

@@ -19,6 +19,7 @@ from tinkerq.keys import shard_of_queue
 from worker.claim import Claimer
 from worker.dispatcher import Dispatcher
 from worker.fencing import Fence, FencedOut, FencedRedis
+from worker.membership import Membership, fair_share
 from worker.outage import REDIS_DOWN, wait_for_redis
 from worker.recovery import recover
 from worker.rq_worker import LostJob, ShardQueue, ShardWorker
@@ -48,6 +49,7 @@ class WorkerProcess:
         shards: list[int] | None = None,
         limits: Limits | None = None,
         name: str | None = None,
+        balanced: bool = False,
     ) -> None:
         self.connection = connection
         self.config = config or QueueConfig()
@@ -57,6 +59,9 @@ class WorkerProcess:
             raise ValueError(f"shards must lie in [0, {self.config.num_shards}); got {self.wanted}")
         self.name = name or worker_name()
         self.fence = Fence(connection, self.name, self.config.lease_ttl_ms, self.config.redis_outage_s)
+        # `--shards auto`: hold at most a fair share of the wanted shards (membership.py); else every one it can
+        self.membership = Membership(connection, self.name, self.config.lease_ttl_ms) if balanced else None
+        self.share = len(self.wanted)
         self.claimer = Claimer(connection, self.fence)
         self.dispatcher = Dispatcher(connection, runtime, self.fence, self.config, limits)
         self.rq_worker: ShardWorker | None = None
@@ -71,8 +76,18 @@ class WorkerProcess:
     def _queue(self, shard: int) -> ShardQueue:
         return ShardQueue(keys.queue_name(shard), connection=self.connection, serializer="json")
 
+    def _beat(self) -> None:
+        if self.membership is not None:
+            self.share = fair_share(len(self.wanted), self.membership.beat(), self.name)
+
     def take_free_shards(self) -> list[int]:
-        taken = self.fence.acquire(self.wanted)
+        """Take free wanted shards, up to this worker's share, and recover what their last owner left."""
+        self._beat()
+        taken: list[int] = []
+        for shard in self.wanted:
+            if len(self.fence.tokens) >= self.share:
+                break
+            taken += self.fence.acquire([shard])
         for shard in taken:
             queue = self._queue(shard)
             self.connection.sadd(queue.redis_queues_keys, queue.key)  # listed in the dashboard while empty
@@ -140,6 +155,8 @@ class WorkerProcess:
                 keeper.join(timeout=5)
             try:
                 self.fence.release()
+                if self.membership is not None:
+                    self.membership.leave()
                 if self.draining.is_set():
                     self.connection.delete(keys.drain_key(self.name))  # tells `tinkerq drain` it is done
             except REDIS_DOWN as exc:  # the leases lapse on their own after their TTL
@@ -153,6 +170,7 @@ class WorkerProcess:
 
     def _serve_once(self, burst: bool, logging_level: str) -> bool:
         """Take free shards and consume them until the leases change (True: go on), or a stop (False)."""
+        self._release_surplus()
         self.take_free_shards()
         if not self.fence.tokens:
             if burst:
@@ -165,6 +183,16 @@ class WorkerProcess:
             raise self.rq_worker.outage
         # a signal, or RQ gave up (its own log says why)
         return not burst and self.rq_worker.stop_reason is not None and not self._signalled()
+
+    def _release_surplus(self) -> None:
+        """Between jobs, give back the shards over this worker's share (a worker joined), each model on them
+        checkpointed first so that its next owner loads it instead of replaying its journal."""
+        surplus = sorted(self.fence.tokens)[self.share:]
+        if surplus:
+            written = self.dispatcher.make_durable(surplus)
+            self.fence.release(surplus)
+            log.warning("worker %s: over its share of %d shards; released %s (%d model(s) checkpointed)",
+                        self.name, self.share, surplus, written)
 
     def _signalled(self) -> bool:
         return self.watchdog.armed
@@ -250,6 +278,7 @@ class WorkerProcess:
 
     def _keep_once(self) -> None:
         lost = self.fence.renew()
+        self._beat()
         worker = self.rq_worker
         if not self.draining.is_set() and self.connection.exists(keys.drain_key(self.name)):
             log.warning("worker %s: asked to drain; finishing the job in hand", self.name)
@@ -260,7 +289,9 @@ class WorkerProcess:
             log.error("worker %s lost shards %s; it stops consuming them", self.name, lost)
             if worker is not None:
                 worker.stop("lost leases")
-        elif worker is not None and self._free_wanted_shard_exists():
+        elif worker is not None and len(self.fence.tokens) > self.share:
+            worker.stop("over its share of the shards")
+        elif worker is not None and len(self.fence.tokens) < self.share and self._free_wanted_shard_exists():
             worker.stop("free shards to take")
         if worker is not None:
             worker.keep_running_job_alive()

@@ -393,6 +393,17 @@ class ShardWorker(SimpleWorker):
             job.verdict = self.admit(job, queue.name)
         return job, queue
 
+    def subscribe(self) -> None:
+        """RQ's, polling every second instead of every 60 s. redis-py 8's PubSubWorkerThread.stop() waits for the
+        thread without a bound, and a thread that read the UNSUBSCRIBE reply before its flag was cleared waits a
+        whole poll for a new subscription first: every end of the loop (a lease change, a rebalance, a stop) could
+        stall for a minute."""
+        self.log.info("Worker %s: subscribing to channel %s", self.name, self.pubsub_channel_name)
+        self.pubsub = self.connection.pubsub()
+        self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+        self.pubsub_thread = self.pubsub.run_in_thread(sleep_time=1, daemon=True,
+                                                       exception_handler=self._pubsub_exception_handler)
+
     def teardown(self) -> None:
         try:
             super().teardown()
