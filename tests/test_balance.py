@@ -2,10 +2,11 @@
 with real worker processes on a real Redis, while a training program and its samples keep being served."""
 
 import signal
+import threading
 from collections import Counter
 
 from producer import Producer
-from schemas import ErrorResponse
+from schemas import ErrorResponse, SampleOutput, SampleRequest, SamplingParams
 from test_durable import answered, training, wait_until
 from tinkerq import keys
 from worker.membership import fair_share
@@ -32,6 +33,14 @@ def settle(r, config, expected: list[int], what: str, workers: list) -> None:
         raise AssertionError(f"{exc}: owners {owners(r, config)}, members {members}\n{logs}") from None
 
 
+def feed(producer: Producer, models: list[str], stop: threading.Event, tickets: list) -> None:
+    while not stop.is_set():
+        for model in models:
+            request = SampleRequest(model_id=model, prompt_tokens=[1, 2], sampling_params=SamplingParams(max_tokens=4))
+            tickets.append((request, producer.submit(request)))
+        stop.wait(0.05)
+
+
 def test_fair_shares_add_up_to_every_shard_and_differ_by_at_most_one():
     for shards in (1, 4, 7, 16):
         for n in range(1, 6):
@@ -43,19 +52,35 @@ def test_fair_shares_add_up_to_every_shard_and_differ_by_at_most_one():
 
 def test_auto_workers_split_the_shards_and_rebalance_as_they_join_die_and_leave(r, config, start_worker):
     producer = Producer(r, config)
-    first = start_worker("--shards", "auto", "--log-level", "INFO")
+    slow = {"TINKERQ_REFERENCE_DELAY_PER_TOKEN_S": "0.05"}  # 0.2 s a batch: the kill lands mid-batch
+    first = start_worker("--shards", "auto", "--log-level", "INFO", **slow)
     settle(r, config, [4], "the first worker holding every shard", [first])
     programs = {f"bal{i}:train:0": training(f"bal{i}:train:0", 4) for i in range(4)}
     tickets = [(op, producer.submit(op)) for ops in programs.values() for op in ops[:6]]
 
-    second = start_worker("--shards", "auto", "--log-level", "INFO")
+    second = start_worker("--shards", "auto", "--log-level", "INFO", **slow)
     settle(r, config, [2, 2], "two workers holding two shards each", [first, second])
-    third = start_worker("--shards", "auto", "--log-level", "INFO")
+    third = start_worker("--shards", "auto", "--log-level", "INFO", **slow)
     settle(r, config, [2, 1, 1], "three workers holding 2, 1 and 1 shards", [first, second, third])
     tickets += [(op, producer.submit(op)) for ops in programs.values() for op in ops[6:12]]
 
-    first.kill(signal.SIGKILL)  # its leases and its heartbeat lapse together; the other two share its shards
+    # samples of every model stream in while the first worker is SIGKILLed mid-batch; its leases and its heartbeat
+    # lapse together, and the other two share its shards
+    stream: list = []
+    stop = threading.Event()
+    feeder = threading.Thread(target=feed, args=(producer, list(programs), stop, stream), daemon=True)
+    feeder.start()
+    wait_until(lambda: len(stream) >= 40, 30, "samples streaming")
+    first.kill(signal.SIGKILL)
     settle(r, config, [2, 2], "the two survivors holding two shards each", [second, third])
+    stop.set()
+    feeder.join(10)
+    served = answered(producer, stream, 120)
+    # every sample of the stream answered once, from the very snapshot it was pinned to (the reference runtime's
+    # tokens are the version that served them)
+    assert all(isinstance(out, SampleOutput) and out.weights_version == ticket.version
+               and {t for s in out.sequences for t in s.tokens} == {ticket.version}
+               for (_, ticket), out in zip(stream, served)), served
     second.kill(signal.SIGTERM)  # a clean stop releases its shards at once
     assert second.proc.returncode == 0, second.output()
     settle(r, config, [4], "the last worker holding every shard", [third])
