@@ -83,13 +83,26 @@ def api(
     log_level: Annotated[str, typer.Option(help="debug, info, warning")] = "info",
 ) -> None:
     """Serve the Tinker HTTP protocol (point the tinker SDK's base_url here)."""
+    import signal
+
     import uvicorn
+
+    from producer.api.settings import ApiSettings
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Each process builds its own app (and Redis clients) from the environment, after the fork.
     os.environ["REDIS_URL"] = redis_url
+    # uvicorn re-raises the SIGTERM it stopped on once it has put back the handler it found: with the default one a
+    # clean stop would end with status -15. A stop asked for exits 0, as the worker's does.
+    signal.signal(signal.SIGTERM, _stopped)
+    # Without a bound uvicorn waits for every open request before it stops (the app answers its long polls at the
+    # signal; this covers a request stuck on a frozen Redis).
     uvicorn.run("producer.api.app:app_from_env", factory=True, host=host, port=port, workers=workers,
-                log_level=log_level.lower())
+                log_level=log_level.lower(), timeout_graceful_shutdown=ApiSettings().api_stop_grace_s)
+
+
+def _stopped(signum: int, frame: object) -> None:
+    raise SystemExit(0)
 
 
 @app.command()

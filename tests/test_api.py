@@ -14,6 +14,7 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from conftest import burst_worker
 from producer.api.app import create_app
+from producer.api.routes.rest import UNSUPPORTED
 from producer.api.settings import ApiSettings
 from tinkerq import keys
 
@@ -439,3 +440,65 @@ def test_healthz_says_503_while_redis_is_down(config):
             assert down.status_code == 503 and down.json()["error"]
     finally:
         server.stop()
+
+
+def filled(path: str) -> str:
+    """An UNSUPPORTED route's path with its parameters filled in as the SDK would."""
+    return path.format(model_id="s-1:train:0", kind="sampler_weights", name="w1", session_id="s-1")
+
+
+@pytest.mark.parametrize("method,path,why", UNSUPPORTED, ids=[f"{m} {p}" for m, p, _ in UNSUPPORTED])
+def test_every_unsupported_rest_route_is_a_400_that_says_why(api, method, path, why):
+    """The SDK raises a 4xx at once (it retries a 5xx, and an empty 400 as a proxy glitch): each route it may call
+    that this server does not serve answers the API's error body with the reason."""
+    body = {"json": {}} if method in ("POST", "PUT") else {}
+    response = api.request(method, f"/api/v1{filled(path)}", headers=KEY, **body)
+    assert response.status_code == 400, (method, path, response.status_code, response.text)
+    message = f"not supported by this server: {why}"
+    assert response.json() == {"error": message, "code": "unsupported", "detail": message}
+
+
+def saved_checkpoints(api, drain) -> tuple[str, str, str]:
+    """A model with a saved state ("weights/s1") and then named sampler weights ("sampler_weights/w1"): its id and
+    the two tinker paths."""
+    model_id = model(api, drain)
+    saves = [post(api, "save_weights", {"model_id": model_id, "seq_id": 1, "path": "s1"}),
+             post(api, "save_weights_for_sampler", {"model_id": model_id, "seq_id": 2, "path": "w1"})]
+    drain()
+    paths = [post(api, "retrieve_future", {"request_id": s.json()["request_id"]}).json()["path"] for s in saves]
+    return model_id, *paths
+
+
+def test_list_user_checkpoints_pages_every_checkpoint_newest_first(api, drain):
+    from tinker.types import CheckpointsListResponse
+
+    model_id, state, sampler = saved_checkpoints(api, drain)
+    response = api.get("/api/v1/checkpoints", headers=KEY)
+    assert response.status_code == 200, response.text
+    listed = CheckpointsListResponse.model_validate(response.json())  # as the SDK reads it
+    assert [(c.checkpoint_id, c.checkpoint_type, c.tinker_path) for c in listed.checkpoints] == [
+        ("sampler_weights/w1", "sampler", sampler), ("weights/s1", "training", state)]
+    assert all(c.size_bytes and not c.public for c in listed.checkpoints)
+    assert listed.cursor.total_count == 2
+    second = api.get("/api/v1/checkpoints", params={"limit": 1, "offset": 1}, headers=KEY).json()
+    assert [c["checkpoint_id"] for c in second["checkpoints"]] == ["weights/s1"]
+    assert second["cursor"] == {"offset": 1, "limit": 1, "total_count": 2}
+    no_limit = api.get("/api/v1/checkpoints", params={"limit": 0}, headers=KEY)
+    assert no_limit.status_code == 422 and no_limit.json()["code"] == "invalid_request"
+
+
+def test_get_sampler_describes_a_sampling_session(api, drain):
+    from tinker.types import GetSamplerResponse
+
+    model_id, _, sampler_path = saved_checkpoints(api, drain)
+    session_id = model_id.split(":")[0]
+    sessions = [post(api, "create_sampling_session", {"session_id": session_id, "sampling_session_seq_id": seq,
+                                                      **source}).json()["sampling_session_id"]
+                for seq, source in enumerate([{"model_path": sampler_path}, {"base_model": "tinyq-micro"}])]
+    described = [api.get(f"/api/v1/samplers/{sampler_id}", headers=KEY) for sampler_id in sessions]
+    assert [GetSamplerResponse.model_validate(d.json()) for d in described] == [
+        GetSamplerResponse(sampler_id=sessions[0], base_model="tinyq-micro", model_path=sampler_path),
+        GetSamplerResponse(sampler_id=sessions[1], base_model="tinyq-micro", model_path=None)]
+    unknown = api.get(f"/api/v1/samplers/{session_id}:sample:9", headers=KEY)
+    assert unknown.status_code == 404 and unknown.json()["code"] == "unknown_sampler"
+    assert "sample:9" in unknown.json()["error"]

@@ -14,6 +14,12 @@ from tinker._compat import model_dump
 from tinker.lib.public_interfaces.custom_loss import encode_graph, run_loss_handle, trace_loss
 from torch.fx.node import _get_qualified_name
 
+from schemas import CreateCustomLossRequest, CreateModelRequest, CustomLoss, Datum, ErrorResponse, \
+    ForwardBackwardRequest, LoraConfig
+from schemas.ids import losses_model_id
+from tinkerq.config import RuntimeConfig
+from worker.runtime import DomainError
+from worker.runtimes import build_runtime
 from worker.torch_runtime import custom_loss
 from worker.torch_runtime.custom_loss import CustomLossError, compile_loss, run_loss_batch
 
@@ -431,3 +437,43 @@ def test_running_a_loss_leaves_its_inputs_unchanged():
     loss(datum["logprobs"], datum["old_logprobs"], datum["advantages"])
     for key, value in datum.items():
         assert torch.equal(value, before[key])
+
+
+# ---- the trainer's own limit: per-token inputs ---------------------------------------------------------------
+
+NOT_PER_TOKEN = [
+    (distill, {"logprobs": 2, "teacher_logits": 2, "weights": 1}),
+    (neg_ll, {"logprobs": 1, "weights": 2}),
+    (sequence_advantage, {"logprobs": 1, "advantage": 0, "mask": 1}),
+]
+PER_TOKEN_ONLY = ("this server's custom losses read per-token inputs only: logprobs first, every input of rank 1 "
+                  "([T])")
+
+
+@pytest.fixture(scope="module")
+def rt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return build_runtime(RuntimeConfig(runtime="torch", engine="torch", checkpoint_root=str(root)))
+
+
+def refused_by(rt, request):
+    """The ErrorResponse a worker answers for `request` (DomainError is answered, never an RQ failure)."""
+    with pytest.raises(DomainError) as raised:
+        rt.execute(request)
+    return raised.value.response()
+
+
+@pytest.mark.parametrize("fn,ranks", NOT_PER_TOKEN, ids=[fn.__name__ for fn, _ in NOT_PER_TOKEN])
+def test_the_trainer_refuses_inputs_that_are_not_rank_1_with_a_400(rt, fn, ranks):
+    """The compiler takes ranks 0-2 (the SDK's), but a datum's loss_fn_inputs carry one value per token: the torch
+    trainer refuses the rest, at create_custom_loss and at a forward_backward that carries such a loss."""
+    _, body = wire(fn, ranks)
+    loss = CustomLoss(name=body["name"], inputs=body["inputs"], graph=body["graph"])
+    expected = ErrorResponse(error=PER_TOKEN_ONLY, status=400, code="invalid_custom_loss", retryable=False)
+    assert refused_by(rt, CreateCustomLossRequest(model_id=losses_model_id("session"), loss=loss)) == expected
+
+    model_id = f"{fn.__name__.replace('_', '-')}:train:0"
+    rt.execute(CreateModelRequest(model_id=model_id, base_model="tinyq-micro", lora=LoraConfig(rank=4)))
+    datum = Datum(model_input=[1, 2, 3], loss_fn_inputs={"target_tokens": [2.0, 3.0, 4.0], "weights": [1.0] * 3})
+    forward = ForwardBackwardRequest(model_id=model_id, data=[datum], loss_fn="custom", custom_loss=loss)
+    assert refused_by(rt, forward) == expected

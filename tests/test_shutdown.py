@@ -1,15 +1,19 @@
 """SIGTERM stops a live `tinkerq worker` within seconds whatever its Redis is doing (up under a steady stream,
 frozen as in a network partition, killed, restarting), with status 0, dropping nothing acknowledged: what it had
-in hand stays in Redis, and the next owner answers it."""
+in hand stays in Redis, and the next owner answers it. A live `tinkerq api` with a long poll pending stops within
+seconds too, and the poll gets an answer the SDK retries."""
 
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
-from conftest import WorkerProc
+from commands.processes import TinkerqProc
+from conftest import ApiProc, WorkerProc
 from producer import Producer
 from redis_proc import RedisProc
 from schemas import ErrorResponse
@@ -37,17 +41,17 @@ def worker(server: RedisProc, tmp_path: Path):
     proc.kill(signal.SIGKILL)
 
 
-def stop_within(worker: WorkerProc, deadline_s: float = DEADLINE_S) -> float:
+def stop_within(proc: TinkerqProc, deadline_s: float = DEADLINE_S) -> float:
     """SIGTERM; the seconds it took to exit with status 0 (fails, after SIGKILLing it, if it did not)."""
     start = time.monotonic()
-    worker.proc.send_signal(signal.SIGTERM)
+    proc.proc.send_signal(signal.SIGTERM)
     try:
-        code = worker.proc.wait(timeout=deadline_s)
+        code = proc.proc.wait(timeout=deadline_s)
     except subprocess.TimeoutExpired:
-        worker.kill(signal.SIGKILL)
-        pytest.fail(f"the worker was still running {deadline_s:g} s after SIGTERM\n{worker.output()[-3000:]}")
+        proc.kill(signal.SIGKILL)
+        pytest.fail(f"{proc.log_path.name} was still running {deadline_s:g} s after SIGTERM\n{proc.output()[-3000:]}")
     took = time.monotonic() - start
-    assert code == 0, f"the worker exited with status {code} after {took:.1f} s\n{worker.output()[-3000:]}"
+    assert code == 0, f"{proc.log_path.name} exited with status {code} after {took:.1f} s\n{proc.output()[-3000:]}"
     return took
 
 
@@ -167,3 +171,57 @@ def test_the_producer_library_stops_within_seconds_whatever_redis_does(server, o
     finally:
         if outage == "frozen":
             server.thaw()
+
+
+@pytest.fixture
+def api(server: RedisProc, tmp_path: Path):
+    # the default long poll (30 s): far longer than the deadline, as the SDK's polls are
+    proc = ApiProc(server.url, {"TINKERQ_NUM_SHARDS": str(CONFIG.num_shards), "TINKERQ_CHECKPOINT_ROOT": str(tmp_path)})
+    yield proc
+    proc.kill(signal.SIGKILL)
+
+
+def pending_request(api: ApiProc) -> str:
+    """A request id that no worker will answer (there is none): its long poll waits the whole TINKERQ_LONG_POLL_S."""
+    session = httpx.post(f"{api.url}/api/v1/create_session", json={"tags": []}, timeout=10).json()["session_id"]
+    created = httpx.post(f"{api.url}/api/v1/create_model", timeout=10, json={
+        "session_id": session, "model_seq_id": 0, "base_model": "tinyq-micro", "lora_config": {"rank": 4}})
+    return created.json()["request_id"]
+
+
+@pytest.mark.parametrize("outage", ["up", "frozen", "down"])
+def test_sigterm_stops_the_api_within_seconds_with_a_long_poll_pending(server, api, outage):
+    """uvicorn waits for open requests before it runs the app's shutdown: a pending retrieve_future held SIGTERM
+    for the whole long poll (longer against a frozen Redis). The poll is answered try_again (or a 503 when Redis
+    is gone), which the SDK retries, not a dropped connection."""
+    request_id = pending_request(api)
+    answers: list[httpx.Response | Exception] = []
+
+    def poll() -> None:
+        try:
+            answers.append(httpx.post(f"{api.url}/api/v1/retrieve_future", json={"request_id": request_id},
+                                      timeout=60))
+        except httpx.HTTPError as exc:
+            answers.append(exc)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    time.sleep(0.5)  # the poll is waiting in the API
+    if outage == "frozen":
+        server.freeze()
+    elif outage == "down":
+        server.kill()
+    try:
+        time.sleep(0.5)
+        stop_within(api)
+    finally:
+        if outage == "frozen":
+            server.thaw()
+    poller.join(timeout=DEADLINE_S)
+    assert answers, "the long poll got no answer"
+    answer = answers[0]
+    assert isinstance(answer, httpx.Response), f"the long poll was dropped: {answer!r}\n{api.output()[-3000:]}"
+    if outage == "down" and answer.status_code == 503:
+        assert answer.json()["code"] == "queue_unavailable"
+    else:
+        assert answer.status_code == 200 and answer.json()["type"] == "try_again", answer.text

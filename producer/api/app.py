@@ -16,6 +16,7 @@ from producer.api.metrics import Metrics, ObserveLatency
 from producer.api.routes import ROUTERS
 from producer.api.settings import ApiSettings
 from producer.api.state import ApiState
+from producer.api.stop_signal import on_stop_signal
 from producer.api.submitter import GroupSubmitter
 from producer.api.long_poll import AsyncResultWaiter
 from producer.enqueue import Producer
@@ -39,7 +40,8 @@ def create_app(redis_url: str, settings: ApiSettings | None = None, config: Queu
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await deps.waiter.start()
-        yield
+        with on_stop_signal(deps.waiter.release):  # uvicorn runs the shutdown below only once requests are done
+            yield
         await _bounded(deps.waiter.stop(), "the result listener")
         await _bounded(asyncio.to_thread(producer.close), "the producer")
         await _bounded(async_redis.aclose(), "the Redis client")

@@ -19,15 +19,26 @@ class AsyncResultWaiter:
         self._waiters: Waiters[asyncio.Event] = Waiters()
         self._task: asyncio.Task | None = None
         self._stopping = asyncio.Event()
+        self._released = asyncio.Event()
 
     async def start(self) -> None:
         self._stopping.clear()
         self._task = asyncio.create_task(self._listen())
 
+    def release(self) -> None:
+        """The server is stopping: every pending poll, and every later one, answers None at once whatever Redis
+        does, so that the server's wait for open requests ends now rather than after a long poll."""
+        self._released.set()
+
+    @property
+    def released(self) -> bool:
+        return self._released.is_set()
+
     async def stop(self, grace_s: float = 2.0) -> None:
         """Ends the listener within `grace_s` whatever Redis does (frozen, gone, mid-reconnect). The task is
         cancelled, and also told to stop at its next poll, and neither is waited for beyond the grace period:
         a cancellation swallowed inside a client read must not hold SIGTERM up."""
+        self.release()
         if self._task is None:
             return
         self._stopping.set()
@@ -55,7 +66,18 @@ class AsyncResultWaiter:
                     await asyncio.wait_for(self._stopping.wait(), backoff.failed())
 
     async def wait(self, request_id: str, timeout: float) -> bytes | None:
-        """The stored result JSON, or None if it has not landed within `timeout` seconds."""
+        """The stored result JSON, or None if it has not landed within `timeout` seconds or the waiter is released.
+        A poll blocked on a frozen Redis when that happens is cancelled, not waited for."""
+        polling = asyncio.ensure_future(self._poll(request_id, timeout))
+        released = asyncio.ensure_future(self._released.wait())
+        try:
+            done, _ = await asyncio.wait({polling, released}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            polling.cancel()
+            released.cancel()
+        return polling.result() if polling in done else None
+
+    async def _poll(self, request_id: str, timeout: float) -> bytes | None:
         with self._waiters.registered(request_id, asyncio.Event()) as event:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
