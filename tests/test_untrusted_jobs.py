@@ -52,8 +52,9 @@ def job_data(payload: dict, func: str = "worker.jobs.sample") -> bytes:
 
 
 def forge(r, rid: str | bytes, shard: int, payload: dict | None = None, func: str = "worker.jobs.sample",
-          data: bytes | None = None, **fields) -> None:
-    """Write a job hash as RQ's JSON serializer would (`fields` over RQ's usual ones) and queue its id on `shard`."""
+          data: bytes | None = None, onto: str | None = None, **fields) -> None:
+    """Write a job hash as RQ's JSON serializer would (`fields` over RQ's usual ones) and push its id onto `shard`'s
+    queue (or the list `onto`)."""
     rid = rid if isinstance(rid, bytes) else rid.encode()
     if data is None:
         data = job_data(payload if payload is not None else sample_payload(), func)
@@ -61,7 +62,7 @@ def forge(r, rid: str | bytes, shard: int, payload: dict | None = None, func: st
                "created_at": "2026-01-01T00:00:00.000000Z", "enqueued_at": "2026-01-01T00:00:00.000000Z",
                "description": "forged", **fields}
     r.hset(b"rq:job:" + rid, mapping=mapping)
-    r.rpush(f"rq:queue:{keys.queue_name(shard)}".encode(), rid)
+    r.rpush(onto or keys.queue_key(shard), rid)
 
 
 def other_shard(shard: int, num_shards: int) -> int:
@@ -302,6 +303,66 @@ def test_a_job_of_a_shard_the_worker_does_not_own_gets_an_explicit_result(r, con
     assert producer.get("foreign-model").code == "wrong_shard"
     assert isinstance(producer.get(good.request_id), SampleOutput)
     assert Job.fetch("foreign-origin", connection=r, serializer="json").get_status() == JobStatus.FAILED
+
+
+# -- a dead owner's in-flight records: recovery reads them as untrusted input too ------------------------------
+
+def leave_in_flight(r, shard: int, config, in_hand: str, batched: list[str]) -> None:
+    """What an owner of `shard` that died mid-batch leaves: its lease (lapsing after the TTL), the job in hand in the
+    queue's intermediate list and RQ's started registry, the samples batched with it in the shard's in-flight list."""
+    queue_key = keys.queue_key(shard)
+    r.set(keys.lease_key(shard), "dead-owner:1", px=config.lease_ttl_ms)
+    r.lrem(queue_key, 1, in_hand)
+    r.rpush(f"{queue_key}:intermediate", in_hand)
+    r.zadd(f"rq:wip:{keys.queue_name(shard)}", {f"{in_hand}:dead-execution": time.time() + 60})
+    r.hset(f"rq:job:{in_hand}", "status", "started")
+    for rid in batched:
+        r.lrem(queue_key, 1, rid)
+        r.rpush(keys.inflight_key(shard), rid)
+
+
+@pytest.mark.slow
+def test_forged_in_flight_records_never_crash_the_worker_that_takes_the_shard_over(r, config, start_worker):
+    """Each of these crashed recovery at takeover (and so every later owner of the shard): entries that name no
+    request, a request record that is not a hash, a `created` that is no time. The genuine in-flight jobs beside
+    them are requeued in order and answered once; a forged entry with a request id gets an error result."""
+    shard = keys.shard_of(M, config.num_shards)
+    producer = Producer(r, config)
+    create = producer.submit(CreateModelRequest(model_id=M, base_model="ref"))  # the dead owner's job in hand
+    batched = [producer.submit(SampleRequest(model_id=M, prompt_tokens=[i])) for i in (1, 2)]
+    queued = producer.submit(SampleRequest(model_id=M, prompt_tokens=[3]))  # still queued behind them
+    leave_in_flight(r, shard, config, create.request_id, [t.request_id for t in batched])
+    intermediate, inflight = f"{keys.queue_key(shard)}:intermediate", keys.inflight_key(shard)
+    for raw in (b"\xff\xfe-not-utf8", b"not an id", b""):
+        r.rpush(intermediate, raw)
+        r.rpush(inflight, raw)
+    for raw in (b"\xff:1", b"a:b:c", b"no-execution-id"):
+        r.zadd(f"rq:wip:{keys.queue_name(shard)}", {raw: time.time() - 120})
+    forge(r, "record-not-a-hash", shard, onto=intermediate)
+    r.set(keys.request_key("record-not-a-hash"), "not a hash")
+    forge(r, "created-not-a-time", shard, onto=intermediate)
+    r.hset(keys.request_key("created-not-a-time"), mapping={"kind": "sample", "created": "abc"})
+    forge(r, "created-infinite", shard, onto=inflight)
+    r.hset(keys.request_key("created-infinite"), mapping={"kind": "sample", "created": "inf"})
+    r.rpush(inflight, "no-job-hash")  # an id whose job is gone: answered as a queued one would be
+    worker = start_worker("--shards", str(shard))
+    genuine = [create, *batched, queued]
+    outs = {t.request_id: producer.wait(t.request_id, WAIT_S + config.lease_ttl_ms / 1000) for t in genuine}
+    assert worker.alive(), worker.output()[-3000:]
+    assert outs[create.request_id].type == "create_model", outs
+    assert all(isinstance(outs[t.request_id], SampleOutput) for t in (*batched, queued)), outs
+    assert codes(producer, ["record-not-a-hash", "created-not-a-time", "created-infinite", "no-job-hash"]) == {
+        "record-not-a-hash": "invalid_job", "created-not-a-time": "invalid_job", "created-infinite": "invalid_job",
+        "no-job-hash": "job_lost"}
+    good_sample_is_answered(producer)
+    assert worker.alive(), worker.output()[-3000:]
+    settle(r, [t.request_id for t in genuine])
+    assert all(r.hget(f"rq:job:{t.request_id}", "status") == b"finished" for t in genuine)
+    deadline = time.monotonic() + WAIT_S  # a claim ends just after its result is stored
+    while (r.llen(intermediate) or r.llen(inflight)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert r.lrange(intermediate, 0, -1) == [] and r.lrange(inflight, 0, -1) == []
+    assert r.zrange(f"rq:wip:{keys.queue_name(shard)}", 0, -1) == []
 
 
 # -- non-finite numbers -------------------------------------------------------------------------------------------
