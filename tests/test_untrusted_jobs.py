@@ -365,6 +365,48 @@ def test_forged_in_flight_records_never_crash_the_worker_that_takes_the_shard_ov
     assert r.zrange(f"rq:wip:{keys.queue_name(shard)}", 0, -1) == []
 
 
+def running_worker(r, config, tmp_path) -> WorkerProcess:
+    """A burst worker that served the model's creation and took every shard again: what a test writes next is
+    written after the takeover's recovery, as while a worker runs."""
+    producer = Producer(r, config)
+    producer.submit(CreateModelRequest(model_id=M, base_model="ref"))
+    worker = burst_worker(r, config, tmp_path)
+    worker.run(burst=True, logging_level="WARNING")
+    assert worker.take_free_shards() == list(range(config.num_shards))
+    return worker
+
+
+def test_rq_fails_no_claimed_job_it_has_seen_in_the_intermediate_list_for_a_minute(r, config, tmp_path):
+    """RQ's maintenance marked such a job FAILED, unanswered; the intermediate list is the claim's."""
+    worker = running_worker(r, config, tmp_path)
+    shard = keys.shard_of(M, config.num_shards)
+    intermediate = f"{keys.queue_key(shard)}:intermediate"
+    forge(r, "seen-long-ago", shard, onto=intermediate)  # a claim whose reply was lost, say
+    r.set(f"{intermediate}:first_seen:seen-long-ago", time.time() - 120)
+    worker.run(burst=True, logging_level="WARNING")
+    assert isinstance(Producer(r, config).get("seen-long-ago"), SampleOutput)
+    assert r.llen(intermediate) == 0
+
+
+def test_forged_registry_entries_never_end_rqs_loop(r, config, tmp_path):
+    """RQ's maintenance, at each start of its loop, loads whatever its registries and the intermediate list hold:
+    each of these ended the loop, and with it the worker."""
+    worker = running_worker(r, config, tmp_path)
+    producer = Producer(r, config)
+    shard = keys.shard_of(M, config.num_shards)
+    intermediate = f"{keys.queue_key(shard)}:intermediate"
+    r.set("rq:job:not-a-hash", "x")
+    for raw in (b"\xff\xfe", b"not-a-hash"):
+        r.rpush(intermediate, raw)
+    for raw in (b"\xff:1", b"a:b:c", b"not-a-hash:1"):
+        r.zadd(f"rq:wip:{keys.queue_name(shard)}", {raw: 1})
+    good = producer.submit(SampleRequest(model_id=M, prompt_tokens=[3]))
+    worker.run(burst=True, logging_level="WARNING")
+    assert isinstance(producer.get(good.request_id), SampleOutput)
+    assert producer.get("not-a-hash").code == "invalid_job"
+    assert r.llen(intermediate) == 0
+
+
 # -- non-finite numbers -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
