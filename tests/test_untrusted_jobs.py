@@ -407,6 +407,50 @@ def test_forged_registry_entries_never_end_rqs_loop(r, config, tmp_path):
     assert r.llen(intermediate) == 0
 
 
+# -- parked training ops are read back as untrusted ---------------------------------------------------------------
+
+def park(r, shard: int, rid: str, seq_id: float, payload: bytes | dict | None, model_id: str = M) -> None:
+    """Park an op as the worker's held-op structure would, with its deadline already past (None: no payload)."""
+    if payload is not None:
+        r.hset(keys.held_payload_key(model_id), rid, payload if isinstance(payload, bytes) else json.dumps(payload))
+    r.zadd(keys.held_key(model_id), {rid: seq_id})
+    r.zadd(keys.held_deadlines_key(shard), {f"{rid}|{model_id}": 0})
+
+
+def test_forged_parked_ops_are_judged_and_answered_and_never_stop_the_sweep(r, config, tmp_path):
+    """A deadline that names no op raised in every tick's sweep (no op parked on the shard was answered again), an
+    entry of a model's held set that is no request id in each of its training ops, a payload that is no request in
+    the tick once (never answered); and a parked payload ran without admission's checks."""
+    producer = Producer(r, config)
+    shard = keys.shard_of(M, config.num_shards)
+    elsewhere = next(m for m in (f"m{i}:train:0" for i in range(100)) if keys.shard_of(m, config.num_shards) != shard)
+    producer.submit(CreateModelRequest(model_id=M, base_model="ref"))
+    early = producer.submit(OptimStepRequest(model_id=M, seq_id=2))  # a genuine op parked for seq 1, which never comes
+    worker = burst_worker(r, config, tmp_path)
+    worker.run(burst=True, logging_level="WARNING")
+    assert producer.get(early.request_id) is None
+    deadlines = keys.held_deadlines_key(shard)
+    r.zadd(deadlines, {b"\xff|" + M.encode(): 0, b"no-bar": 0, b"|" + M.encode(): 0, f"x|{elsewhere}".encode(): 0})
+    r.zadd(keys.held_key(M), {b"\xff\xfe": 0, b"not an id": 0})
+    park(r, shard, "not-json", 1, b"{not json")
+    park(r, shard, "infinite-seq", -math.inf, {"kind": "optim_step", "model_id": M, "seq_id": 6})
+    park(r, shard, "no-payload", 3, None)
+    park(r, shard, "over-limits", 4, {"kind": "forward", "model_id": M, "seq_id": 4,
+                                      "data": [{"model_input": [1]}] * 4097})
+    park(r, shard, "not-as-parked", 5, {"kind": "optim_step", "model_id": M, "seq_id": 9})
+    time.sleep(config.seq_gap_timeout_s + 0.1)  # the genuine op's deadline passes too
+    worker.take_free_shards()
+    worker._tick()
+    assert producer.get(early.request_id).code == "seq_gap_timeout"
+    assert codes(producer, ["not-json", "infinite-seq", "no-payload", "over-limits", "not-as-parked"]) == {
+        "not-json": "invalid_request", "infinite-seq": "invalid_request", "no-payload": "invalid_request",
+        "over-limits": "limit_exceeded", "not-as-parked": "invalid_request"}
+    assert (r.zcard(deadlines), r.zcard(keys.held_key(M)), r.hlen(keys.held_payload_key(M))) == (0, 0, 0)
+    after = producer.submit(OptimStepRequest(model_id=M, seq_id=3))  # the model goes on
+    worker.run(burst=True, logging_level="WARNING")
+    assert producer.get(after.request_id).type == "optim_step"
+
+
 # -- non-finite numbers -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
