@@ -2,7 +2,8 @@
 every command its connections send after it wakes is watched with MONITOR (its connections carry the worker's
 name), and inside its Lua scripts nothing but the lease check runs. The standby's parked seq-gap op and its claims
 stay intact, every acknowledged request gets exactly one result, none is RQ FAILED, and SIGTERM then stops the old
-owner with status 0 within 10 s."""
+owner with status 0 within 10 s. Ops it parked that fell due while it slept (their gap closed, their deadline passed)
+are left to the new owner: its woken sweep takes none of them."""
 
 import os
 import signal
@@ -125,6 +126,36 @@ def wait_for(predicate, timeout_s: float, what: str) -> None:  # noqa: ANN001
         time.sleep(0.05)
 
 
+def start_standby(url: str, tmp_path: Path, **env: str) -> WorkerProc:
+    """A second worker over every shard, busy as the old owner is (~30 ms an engine run); seq gaps of 120 s."""
+    return WorkerProc(url, {
+        "TINKERQ_RUNTIME": "reference", "TINKERQ_NUM_SHARDS": str(CONFIG.num_shards),
+        "TINKERQ_LEASE_TTL_MS": str(CONFIG.lease_ttl_ms), "TINKERQ_CHECKPOINT_ROOT": str(tmp_path),
+        "TINKERQ_SEQ_GAP_TIMEOUT_S": "120", "TINKERQ_REFERENCE_DELAY_PER_TOKEN_S": "0.002", **env})
+
+
+def takes_over(r: Redis, before: dict[int, bytes | None]) -> bool:
+    return all(v is not None and v != before[s] for s, v in leases(r).items())
+
+
+def watch_addresses(r: Redis, pid: int) -> Addresses:
+    """The addresses of the process's connections from now on; each carries its worker's name."""
+    named = {c["addr"] for c in r.client_list() if f"-{pid}-" in c.get("name", "")}
+    addresses = Addresses(pid)
+    addresses.found = redis_addresses(pid)
+    assert addresses.found and addresses.found <= named, "every connection of the worker carries its name"
+    addresses.start()
+    return addresses
+
+
+def writes_of(monitor: Monitor, addresses: Addresses, since: float) -> list[str]:
+    """What `addresses` wrote after `since`, once the watching stopped."""
+    monitor.stop.set()
+    monitor.join(5)
+    addresses.stop.set()
+    return writes_after(monitor.lines, since, addresses.found)
+
+
 def test_a_paused_and_resumed_old_owner_writes_nothing_and_stops_cleanly(server, tmp_path):
     old = loaded_worker(server.url, tmp_path, TINKERQ_SEQ_GAP_TIMEOUT_S="120", TINKERQ_STOP_GRACE_S="3")
     standby = None
@@ -142,18 +173,10 @@ def test_a_paused_and_resumed_old_owner_writes_nothing_and_stops_cleanly(server,
         wait_for(lambda: len(load.acked) >= 40, 30, "the stream to start")
         before = leases(r)
         old.proc.send_signal(signal.SIGSTOP)
-        standby = WorkerProc(server.url, {
-            "TINKERQ_RUNTIME": "reference", "TINKERQ_NUM_SHARDS": str(CONFIG.num_shards),
-            "TINKERQ_LEASE_TTL_MS": str(CONFIG.lease_ttl_ms), "TINKERQ_CHECKPOINT_ROOT": str(tmp_path),
-            "TINKERQ_SEQ_GAP_TIMEOUT_S": "120", "TINKERQ_REFERENCE_DELAY_PER_TOKEN_S": "0.002"})
-        wait_for(lambda: all(v is not None and v != before[s] for s, v in leases(r).items()), 30,
-                 "the standby to take every shard")
+        standby = start_standby(server.url, tmp_path)
+        wait_for(lambda: takes_over(r, before), 30, "the standby to take every shard")
         time.sleep(2.0)  # the standby works
-        named = {c["addr"] for c in r.client_list() if f"-{old.proc.pid}-" in c.get("name", "")}
-        addresses = Addresses(old.proc.pid)
-        addresses.found = redis_addresses(old.proc.pid)
-        assert addresses.found and addresses.found <= named, "every connection of the worker carries its name"
-        addresses.start()
+        addresses = watch_addresses(r, old.proc.pid)
         woke = time.time()
         old.proc.send_signal(signal.SIGCONT)
         time.sleep(4.0)  # it wakes into the middle of whatever it was doing, and finds its leases gone
@@ -172,10 +195,65 @@ def test_a_paused_and_resumed_old_owner_writes_nothing_and_stops_cleanly(server,
         for shard in range(CONFIG.num_shards):
             assert r.zcard(f"rq:failed:{keys.queue_name(shard)}") == 0, "a job was failed instead of retried"
         stop_within(old)
+        written = writes_of(monitor, addresses, woke)
+        assert written == [], "the woken old owner wrote:\n" + "\n".join(written[:30])
+        assert standby.alive(), standby.output()[-3000:]
+        producer.close()
+    finally:
         monitor.stop.set()
-        monitor.join(5)
-        addresses.stop.set()
-        written = writes_after(monitor.lines, woke, addresses.found)
+        for proc in (old, standby):
+            if proc is not None and proc.alive():
+                os.kill(proc.proc.pid, signal.SIGCONT)  # a stopped process must be able to die
+                proc.kill(signal.SIGKILL)
+
+
+def test_a_woken_old_owner_takes_no_parked_op_that_fell_due_while_it_slept(server, tmp_path):
+    """Two ops it parked fall due while it is paused, before its successor's sweep gets to them: one's seq_id gap is
+    closed by a refusal at submit, the other's deadline passes. The woken owner's idle loop ticks, and its sweep may
+    run before its lease keeper finds the leases gone: it must take neither. Both stay parked until the new owner runs
+    the one and answers the other's timeout; the woken owner writes nothing, and SIGTERM stops it with status 0."""
+    gap_s = 12.0
+    old = loaded_worker(server.url, tmp_path, TINKERQ_SEQ_GAP_TIMEOUT_S=str(gap_s), TINKERQ_STOP_GRACE_S="3")
+    standby = None
+    monitor = Monitor(server.url)
+    try:
+        r = connect(server.url)
+        producer = Producer(r, CONFIG)
+        datum = Datum(model_input=[1, 2, 3])
+        ready, expiring = (producer.submit(ForwardBackwardRequest(model_id=model, seq_id=2, data=[datum]))
+                           for model in MODELS[:2])  # seq 1 of neither is ever queued
+        parked = {ready.request_id: MODELS[0], expiring.request_id: MODELS[1]}
+        for rid, model in parked.items():
+            wait_for(lambda: r.zscore(keys.held_key(model), rid) is not None, 30, f"{rid} to park")
+        deadlines, member = keys.held_deadlines_key(expiring.shard), f"{expiring.request_id}|{MODELS[1]}"
+        deadline = r.zscore(deadlines, member)
+        before = leases(r)
+        old.proc.send_signal(signal.SIGSTOP)  # idle: it wakes into its idle loop, whose tick sweeps
+        # The successor pauses too, before the deadline (its 30 s lease outlives the pause): the ops fall due while
+        # no owner is at work, and the old owner wakes first.
+        standby = start_standby(server.url, tmp_path, TINKERQ_LEASE_TTL_MS="30000")
+        wait_for(lambda: takes_over(r, before), 30, "the standby to take every shard")
+        standby.proc.send_signal(signal.SIGSTOP)
+        assert time.time() < deadline - 0.5, "the standby was paused after the deadline: the test ran too slowly"
+        r.sadd(keys.refused_seqs_key(MODELS[0]), 1)  # as the API records seq 1 refused at submit: seq 2's turn
+        time.sleep(deadline - time.time() + 0.5)
+        addresses = watch_addresses(r, old.proc.pid)
+        monitor.start()
+        woke = time.time()
+        old.proc.send_signal(signal.SIGCONT)
+        time.sleep(3.0)  # its tick and its lease keeper run; it finds its leases gone
+        assert old.alive(), old.output()[-3000:]
+        for rid, model in parked.items():  # a woken sweep would have taken them out, never to answer them
+            assert r.zscore(keys.held_key(model), rid) == 2, f"{rid} is no longer parked\n{old.output()[-3000:]}"
+            assert r.hexists(keys.held_payload_key(model), rid)
+        assert r.zscore(deadlines, member) == deadline
+        standby.proc.send_signal(signal.SIGCONT)
+        out = producer.wait(ready.request_id, 60)
+        assert out is not None and out.type == "forward_backward", (out, standby.output()[-3000:])
+        out = producer.wait(expiring.request_id, 60)
+        assert out is not None and out.code == "seq_gap_timeout", (out, standby.output()[-3000:])
+        stop_within(old)
+        written = writes_of(monitor, addresses, woke)
         assert written == [], "the woken old owner wrote:\n" + "\n".join(written[:30])
         assert standby.alive(), standby.output()[-3000:]
         producer.close()

@@ -52,8 +52,9 @@ def job_data(payload: dict, func: str = "worker.jobs.sample") -> bytes:
 
 
 def forge(r, rid: str | bytes, shard: int, payload: dict | None = None, func: str = "worker.jobs.sample",
-          data: bytes | None = None, **fields) -> None:
-    """Write a job hash as RQ's JSON serializer would (`fields` over RQ's usual ones) and queue its id on `shard`."""
+          data: bytes | None = None, onto: str | None = None, **fields) -> None:
+    """Write a job hash as RQ's JSON serializer would (`fields` over RQ's usual ones) and push its id onto `shard`'s
+    queue (or the list `onto`)."""
     rid = rid if isinstance(rid, bytes) else rid.encode()
     if data is None:
         data = job_data(payload if payload is not None else sample_payload(), func)
@@ -61,7 +62,7 @@ def forge(r, rid: str | bytes, shard: int, payload: dict | None = None, func: st
                "created_at": "2026-01-01T00:00:00.000000Z", "enqueued_at": "2026-01-01T00:00:00.000000Z",
                "description": "forged", **fields}
     r.hset(b"rq:job:" + rid, mapping=mapping)
-    r.rpush(f"rq:queue:{keys.queue_name(shard)}".encode(), rid)
+    r.rpush(onto or keys.queue_key(shard), rid)
 
 
 def other_shard(shard: int, num_shards: int) -> int:
@@ -302,6 +303,152 @@ def test_a_job_of_a_shard_the_worker_does_not_own_gets_an_explicit_result(r, con
     assert producer.get("foreign-model").code == "wrong_shard"
     assert isinstance(producer.get(good.request_id), SampleOutput)
     assert Job.fetch("foreign-origin", connection=r, serializer="json").get_status() == JobStatus.FAILED
+
+
+# -- a dead owner's in-flight records: recovery reads them as untrusted input too ------------------------------
+
+def leave_in_flight(r, shard: int, config, in_hand: str, batched: list[str]) -> None:
+    """What an owner of `shard` that died mid-batch leaves: its lease (lapsing after the TTL), the job in hand in the
+    queue's intermediate list and RQ's started registry, the samples batched with it in the shard's in-flight list."""
+    queue_key = keys.queue_key(shard)
+    r.set(keys.lease_key(shard), "dead-owner:1", px=config.lease_ttl_ms)
+    r.lrem(queue_key, 1, in_hand)
+    r.rpush(f"{queue_key}:intermediate", in_hand)
+    r.zadd(f"rq:wip:{keys.queue_name(shard)}", {f"{in_hand}:dead-execution": time.time() + 60})
+    r.hset(f"rq:job:{in_hand}", "status", "started")
+    for rid in batched:
+        r.lrem(queue_key, 1, rid)
+        r.rpush(keys.inflight_key(shard), rid)
+
+
+@pytest.mark.slow
+def test_forged_in_flight_records_never_crash_the_worker_that_takes_the_shard_over(r, config, start_worker):
+    """Each of these crashed recovery at takeover (and so every later owner of the shard): entries that name no
+    request, a request record that is not a hash, a `created` that is no time. The genuine in-flight jobs beside
+    them are requeued in order and answered once; a forged entry with a request id gets an error result."""
+    shard = keys.shard_of(M, config.num_shards)
+    producer = Producer(r, config)
+    create = producer.submit(CreateModelRequest(model_id=M, base_model="ref"))  # the dead owner's job in hand
+    batched = [producer.submit(SampleRequest(model_id=M, prompt_tokens=[i])) for i in (1, 2)]
+    queued = producer.submit(SampleRequest(model_id=M, prompt_tokens=[3]))  # still queued behind them
+    leave_in_flight(r, shard, config, create.request_id, [t.request_id for t in batched])
+    intermediate, inflight = f"{keys.queue_key(shard)}:intermediate", keys.inflight_key(shard)
+    for raw in (b"\xff\xfe-not-utf8", b"not an id", b""):
+        r.rpush(intermediate, raw)
+        r.rpush(inflight, raw)
+    for raw in (b"\xff:1", b"a:b:c", b"no-execution-id"):
+        r.zadd(f"rq:wip:{keys.queue_name(shard)}", {raw: time.time() - 120})
+    forge(r, "record-not-a-hash", shard, onto=intermediate)
+    r.set(keys.request_key("record-not-a-hash"), "not a hash")
+    forge(r, "created-not-a-time", shard, onto=intermediate)
+    r.hset(keys.request_key("created-not-a-time"), mapping={"kind": "sample", "created": "abc"})
+    forge(r, "created-infinite", shard, onto=inflight)
+    r.hset(keys.request_key("created-infinite"), mapping={"kind": "sample", "created": "inf"})
+    r.rpush(inflight, "no-job-hash")  # an id whose job is gone: answered as a queued one would be
+    worker = start_worker("--shards", str(shard))
+    genuine = [create, *batched, queued]
+    outs = {t.request_id: producer.wait(t.request_id, WAIT_S + config.lease_ttl_ms / 1000) for t in genuine}
+    assert worker.alive(), worker.output()[-3000:]
+    assert outs[create.request_id].type == "create_model", outs
+    assert all(isinstance(outs[t.request_id], SampleOutput) for t in (*batched, queued)), outs
+    assert codes(producer, ["record-not-a-hash", "created-not-a-time", "created-infinite", "no-job-hash"]) == {
+        "record-not-a-hash": "invalid_job", "created-not-a-time": "invalid_job", "created-infinite": "invalid_job",
+        "no-job-hash": "job_lost"}
+    good_sample_is_answered(producer)
+    assert worker.alive(), worker.output()[-3000:]
+    settle(r, [t.request_id for t in genuine])
+    assert all(r.hget(f"rq:job:{t.request_id}", "status") == b"finished" for t in genuine)
+    deadline = time.monotonic() + WAIT_S  # a claim ends just after its result is stored
+    while (r.llen(intermediate) or r.llen(inflight)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert r.lrange(intermediate, 0, -1) == [] and r.lrange(inflight, 0, -1) == []
+    assert r.zrange(f"rq:wip:{keys.queue_name(shard)}", 0, -1) == []
+
+
+def running_worker(r, config, tmp_path) -> WorkerProcess:
+    """A burst worker that served the model's creation and took every shard again: what a test writes next is
+    written after the takeover's recovery, as while a worker runs."""
+    producer = Producer(r, config)
+    producer.submit(CreateModelRequest(model_id=M, base_model="ref"))
+    worker = burst_worker(r, config, tmp_path)
+    worker.run(burst=True, logging_level="WARNING")
+    assert worker.take_free_shards() == list(range(config.num_shards))
+    return worker
+
+
+def test_rq_fails_no_claimed_job_it_has_seen_in_the_intermediate_list_for_a_minute(r, config, tmp_path):
+    """RQ's maintenance marked such a job FAILED, unanswered; the intermediate list is the claim's."""
+    worker = running_worker(r, config, tmp_path)
+    shard = keys.shard_of(M, config.num_shards)
+    intermediate = f"{keys.queue_key(shard)}:intermediate"
+    forge(r, "seen-long-ago", shard, onto=intermediate)  # a claim whose reply was lost, say
+    r.set(f"{intermediate}:first_seen:seen-long-ago", time.time() - 120)
+    worker.run(burst=True, logging_level="WARNING")
+    assert isinstance(Producer(r, config).get("seen-long-ago"), SampleOutput)
+    assert r.llen(intermediate) == 0
+
+
+def test_forged_registry_entries_never_end_rqs_loop(r, config, tmp_path):
+    """RQ's maintenance, at each start of its loop, loads whatever its registries and the intermediate list hold:
+    each of these ended the loop, and with it the worker."""
+    worker = running_worker(r, config, tmp_path)
+    producer = Producer(r, config)
+    shard = keys.shard_of(M, config.num_shards)
+    intermediate = f"{keys.queue_key(shard)}:intermediate"
+    r.set("rq:job:not-a-hash", "x")
+    for raw in (b"\xff\xfe", b"not-a-hash"):
+        r.rpush(intermediate, raw)
+    for raw in (b"\xff:1", b"a:b:c", b"not-a-hash:1"):
+        r.zadd(f"rq:wip:{keys.queue_name(shard)}", {raw: 1})
+    good = producer.submit(SampleRequest(model_id=M, prompt_tokens=[3]))
+    worker.run(burst=True, logging_level="WARNING")
+    assert isinstance(producer.get(good.request_id), SampleOutput)
+    assert producer.get("not-a-hash").code == "invalid_job"
+    assert r.llen(intermediate) == 0
+
+
+# -- parked training ops are read back as untrusted ---------------------------------------------------------------
+
+def park(r, shard: int, rid: str, seq_id: float, payload: bytes | dict | None, model_id: str = M) -> None:
+    """Park an op as the worker's held-op structure would, with its deadline already past (None: no payload)."""
+    if payload is not None:
+        r.hset(keys.held_payload_key(model_id), rid, payload if isinstance(payload, bytes) else json.dumps(payload))
+    r.zadd(keys.held_key(model_id), {rid: seq_id})
+    r.zadd(keys.held_deadlines_key(shard), {f"{rid}|{model_id}": 0})
+
+
+def test_forged_parked_ops_are_judged_and_answered_and_never_stop_the_sweep(r, config, tmp_path):
+    """A deadline that names no op raised in every tick's sweep (no op parked on the shard was answered again), an
+    entry of a model's held set that is no request id in each of its training ops, a payload that is no request in
+    the tick once (never answered); and a parked payload ran without admission's checks."""
+    producer = Producer(r, config)
+    shard = keys.shard_of(M, config.num_shards)
+    elsewhere = next(m for m in (f"m{i}:train:0" for i in range(100)) if keys.shard_of(m, config.num_shards) != shard)
+    producer.submit(CreateModelRequest(model_id=M, base_model="ref"))
+    early = producer.submit(OptimStepRequest(model_id=M, seq_id=2))  # a genuine op parked for seq 1, which never comes
+    worker = burst_worker(r, config, tmp_path)
+    worker.run(burst=True, logging_level="WARNING")
+    assert producer.get(early.request_id) is None
+    deadlines = keys.held_deadlines_key(shard)
+    r.zadd(deadlines, {b"\xff|" + M.encode(): 0, b"no-bar": 0, b"|" + M.encode(): 0, f"x|{elsewhere}".encode(): 0})
+    r.zadd(keys.held_key(M), {b"\xff\xfe": 0, b"not an id": 0})
+    park(r, shard, "not-json", 1, b"{not json")
+    park(r, shard, "infinite-seq", -math.inf, {"kind": "optim_step", "model_id": M, "seq_id": 6})
+    park(r, shard, "no-payload", 3, None)
+    park(r, shard, "over-limits", 4, {"kind": "forward", "model_id": M, "seq_id": 4,
+                                      "data": [{"model_input": [1]}] * 4097})
+    park(r, shard, "not-as-parked", 5, {"kind": "optim_step", "model_id": M, "seq_id": 9})
+    time.sleep(config.seq_gap_timeout_s + 0.1)  # the genuine op's deadline passes too
+    worker.take_free_shards()
+    worker._tick()
+    assert producer.get(early.request_id).code == "seq_gap_timeout"
+    assert codes(producer, ["not-json", "infinite-seq", "no-payload", "over-limits", "not-as-parked"]) == {
+        "not-json": "invalid_request", "infinite-seq": "invalid_request", "no-payload": "invalid_request",
+        "over-limits": "limit_exceeded", "not-as-parked": "invalid_request"}
+    assert (r.zcard(deadlines), r.zcard(keys.held_key(M)), r.hlen(keys.held_payload_key(M))) == (0, 0, 0)
+    after = producer.submit(OptimStepRequest(model_id=M, seq_id=3))  # the model goes on
+    worker.run(burst=True, logging_level="WARNING")
+    assert producer.get(after.request_id).type == "optim_step"
 
 
 # -- non-finite numbers -------------------------------------------------------------------------------------------

@@ -186,7 +186,7 @@ def test_a_crash_mid_batch_puts_the_claimed_samples_back_at_the_front_in_order(r
     r.rpush(f"{queue.key}:intermediate", first)
     r.delete(keys.lease_key(tickets[0].shard))  # its lease lapses; the successor takes the shard
     successor.acquire([tickets[0].shard])
-    recover(r, queue, successor)
+    recover(r, queue, successor, lambda *answer: pytest.fail(f"no request here is refused: {answer}"))
     assert queue.get_job_ids() == [t.request_id for t in tickets]
     successor.release()
     worker.run(burst=True, logging_level="WARNING")

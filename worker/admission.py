@@ -76,11 +76,16 @@ class Admission:
         problem = self._envelope(job, claimed_origin, queue_name)
         if problem is not None:
             return Refused(job.id, shard, ErrorResponse(error=problem, status=400, code="invalid_job"), forged=True)
+        return self.judge_payload(job.id, shard, job.args[0])
+
+    def judge_payload(self, rid: str, shard: int, payload: object) -> Verdict:
+        """Judge a request payload read from Redis (a job's argument, a parked training op: worker/held.py) for the
+        shard it was found on: its schema, `Limits`, and its model's routing."""
         try:
-            return self._payload(job.id, shard, job.args[0])
+            return self._payload(rid, shard, payload)
         except Exception as exc:  # noqa: BLE001 - whatever a payload does to the validators, it is refused
-            return Refused(job.id, shard, ErrorResponse(error=f"invalid request: {type(exc).__name__}: {exc}",
-                                                        status=400, code="invalid_request"), forged=False)
+            return Refused(rid, shard, ErrorResponse(error=f"invalid request: {type(exc).__name__}: {exc}",
+                                                     status=400, code="invalid_request"), forged=False)
 
     @staticmethod
     def _envelope(job: Job, origin: str, queue_name: str) -> str | None:
@@ -101,7 +106,7 @@ class Admission:
             return "a job takes exactly one positional argument, the request payload object"
         return None
 
-    def _payload(self, rid: str, shard: int, payload: dict) -> Verdict:
+    def _payload(self, rid: str, shard: int, payload: object) -> Verdict:
         try:
             request = parse_request(payload)
         except ValidationError as exc:

@@ -64,7 +64,8 @@ class Dispatcher:
         self.journal = Journal(connection)
         self.restorer = Restorer(connection, runtime, self.journal)
         self.checkpointer = Checkpointer(runtime, fence, self.journal, config.durable_every)
-        self.sequencer = Sequencer(connection, fence, config.seq_gap_timeout_s, self._execute, self.finish)
+        self.sequencer = Sequencer(connection, fence, config.seq_gap_timeout_s, self._execute, self.finish,
+                                   self.admission)
 
     def finish(self, shard: int, request_id: str, result: Result) -> bool:
         """Store the request's one result (fenced, first writer wins)."""

@@ -39,10 +39,14 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
+# The request record's status, where the record is a hash: the producer writes one, but anyone can write that key,
+# and an HSET on another type would end the script after the result's SET (stored, never published) with an error.
+_MARK_RECORD = "if redis.call('TYPE', KEYS[3]).ok == 'hash' then redis.call('HSET', KEYS[3], 'status', ARGV[6]) end\n"
+
 # KEYS: (lease), result, request record. ARGV: (token), result json, ttl, channel, request id, status.
 _PUT_RESULT = """
 if not redis.call('SET', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then return 0 end
-if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('HSET', KEYS[3], 'status', ARGV[6]) end
+""" + _MARK_RECORD + """
 redis.call('PUBLISH', ARGV[4], ARGV[5])
 return 1
 """
@@ -55,7 +59,7 @@ return 1
 # the seq_id ('' for none), then '1' for an optim_step.
 _PUT_JOURNALED = """
 if not redis.call('SET', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then return 0 end
-if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('HSET', KEYS[3], 'status', ARGV[6]) end
+""" + _MARK_RECORD + """
 local length = redis.call('RPUSH', KEYS[4], ARGV[7])
 if ARGV[8] ~= '' then
   local current = tonumber(redis.call('GET', KEYS[5]))

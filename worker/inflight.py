@@ -40,10 +40,11 @@ class InFlightList:
         return [rid.decode() for rid in self._claim(self.shard, [queue_key, self.key], job_ids,
                                                     f"the claim of {len(job_ids)} samples", retry=False)]
 
-    def job_ids(self) -> list[str]:
-        return [rid.decode() for rid in self.connection.lrange(self.key, 0, -1)]
+    def entries(self) -> list[bytes]:
+        """The list as it is in Redis, untrusted: anyone who can write to Redis may have pushed anything here."""
+        return self.connection.lrange(self.key, 0, -1)
 
-    def remove(self, job_id: str, pipeline: Pipeline, count: int = 1) -> None:
+    def remove(self, job_id: str | bytes, pipeline: Pipeline, count: int = 1) -> None:
         """Drop `count` entries of the id (0: all of them)."""
         pipeline.lrem(self.key, count, job_id)
 

@@ -216,7 +216,7 @@ class WorkerProcess:
 
     def _recover(self, shard: int) -> None:
         try:
-            recover(self.connection, self._queue(shard), self.fence)
+            recover(self.connection, self._queue(shard), self.fence, self.dispatcher.finish)
         except FencedOut:  # paused past the lease while recovering: the shard and its recovery are someone else's
             log.warning("worker %s lost shard %d while recovering it", self.name, shard)
             self.fence.forget([shard])

@@ -23,7 +23,8 @@ cleanup), the hash field names it reads, `Queue.lpop` / `Queue.lmove` (the pop, 
 the id), `Queue._fetch_dequeued_job`, `Queue.move_dependents_to_ready` / `enqueue_dependents` (called by the
 worker's success and failure paths), `BaseWorker.dequeue_job_and_maintain_ttl` (replaced), `prepare_job_execution`,
 `Job._execute` (where RQ would import and call the job's function),
-`handle_exception` / `handle_job_failure` (in that order, from `_finalize_failure`), `heartbeat` and `teardown`.
+`handle_exception` / `handle_job_failure` (in that order, from `_finalize_failure`), `heartbeat` and `teardown`,
+`run_maintenance_tasks` and `Queue.intermediate_queue` (whose `cleanup` RQ's maintenance calls).
 """
 
 import logging
@@ -36,6 +37,7 @@ from typing import Any, Protocol
 
 from rq import Queue, SimpleWorker
 from rq.exceptions import StopRequested
+from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job
 from rq.utils import now
 from rq.worker import WorkerStatus
@@ -148,8 +150,22 @@ class LostJob(Exception):
 TRANSIENT: tuple[type[Exception], ...] = (FencedOut, RedisGone, *REDIS_DOWN)
 
 
+class InFlightRecord(IntermediateQueue):
+    """A shard queue's intermediate list: the claimed jobs (worker/claim.py), emptied by the claim (which takes its
+    head first) and by recovery, which read its entries as untrusted. RQ's own cleanup of it is off: it decodes and
+    loads every entry (a non-UTF-8 one, or an id whose hash is of another type, ended the worker's loop) and marks a
+    job it has seen there for a minute FAILED, with no ErrorResponse."""
+
+    def cleanup(self, worker, queue) -> None:  # noqa: ANN001 - RQ's signature
+        return None
+
+
 class ShardQueue(Queue):
-    job_class = AllowlistJob  # also the class RQ's registry and intermediate-queue cleanups load jobs with
+    job_class = AllowlistJob  # also the class RQ's registry cleanups load jobs with
+
+    @property
+    def intermediate_queue(self) -> IntermediateQueue:
+        return InFlightRecord(self.key, connection=self.connection)
 
     # The pop: RQ's `dequeue_any` decodes the popped id as UTF-8 (and would crash the worker on other bytes);
     # an entry that is no request id is refused here, before that.
@@ -245,6 +261,18 @@ class ShardWorker(SimpleWorker):
             except Exception:  # noqa: BLE001 - a failed tick must not kill the loop
                 log.exception("worker tick failed")
         return super().should_run_maintenance_tasks
+
+    def run_maintenance_tasks(self) -> None:
+        # RQ's cleanup of its registries loads whatever they list, and an entry anyone wrote (not UTF-8, not
+        # `<id>:<execution>`, a job key of another type) raises: RQ's loop would end on it, at every start. It is RQ's
+        # bookkeeping for the dashboard, not the in-flight record (recovery reads that): a failed round is skipped.
+        try:
+            super().run_maintenance_tasks()
+        except REDIS_DOWN as exc:  # also from work()'s own call, outside dequeue_job_and_maintain_ttl
+            self._outage(exc)
+        except Exception:  # noqa: BLE001 - whatever a registry holds
+            log.exception("worker %s: RQ's registry maintenance failed; skipped until its next round", self.name)
+            self.last_cleaned_at = now()
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         return HEARTBEAT_TTL_S

@@ -14,6 +14,7 @@ from redis import Redis
 
 from schemas import ErrorResponse, Request
 from tinkerq import keys
+from worker.admission import Admission, Refused
 from worker.fencing import Fence, FencedOut
 from worker.held import HeldOps
 
@@ -29,13 +30,14 @@ def _creates_model(request: Request) -> bool:
 
 
 class Sequencer:
-    def __init__(self, connection: Redis, fence: Fence, gap_timeout_s: float, execute: Execute, finish: Finish):
+    def __init__(self, connection: Redis, fence: Fence, gap_timeout_s: float, execute: Execute, finish: Finish,
+                 admission: Admission):
         self.connection = connection
         self.fence = fence
         self.gap_timeout_s = gap_timeout_s
         self.execute = execute
         self.finish = finish
-        self.held = HeldOps(connection, fence)
+        self.held = HeldOps(connection, fence, admission)
 
     def last_seq(self, model_id: str) -> int:
         """The last seq_id that took its turn: run here, or refused by the API at submit (it never reached the
@@ -81,18 +83,22 @@ class Sequencer:
     def drain(self, shard: int, model_id: str) -> None:
         """Run parked ops of the model while the next one in sequence is there."""
         while True:
-            head = self.held.first(model_id)
+            head = self.held.first(shard, model_id)
             if head is None:
                 return
             rid, seq_id = head
             last = self.last_seq(model_id)
             if seq_id > last + 1:
                 return
-            request = self.held.take(shard, rid, model_id)
-            if request is None:
+            verdict = self.held.take(shard, rid, model_id)
+            if verdict is None:
                 continue
-            if seq_id <= last:
-                self.finish(shard, rid, _stale(model_id, seq_id, last))
+            if isinstance(verdict, Refused):  # not the op it was parked as: someone wrote it there
+                self.finish(shard, rid, verdict.error)
+                continue
+            request = verdict.request
+            if request.seq_id <= last:
+                self.finish(shard, rid, _stale(model_id, request.seq_id, last))
                 continue
             try:
                 self._run_in_order(shard, rid, request)
@@ -107,18 +113,20 @@ class Sequencer:
         for _, model_id in self.held.waiting(shard):
             self.drain(shard, model_id)
         for rid, model_id in self.held.expired(shard):
-            seq_id = self.held.seq_id(model_id, rid)
-            request = self.held.take(shard, rid, model_id)
+            verdict = self.held.take(shard, rid, model_id)
             self.held.forget_deadline(shard, rid, model_id)
-            if request is None:
+            if verdict is None:
                 continue
-            expected = self.last_seq(model_id) + 1
+            if isinstance(verdict, Refused):
+                self.finish(shard, rid, verdict.error)
+                continue
+            seq_id, expected = verdict.request.seq_id, self.last_seq(model_id) + 1
             self.finish(shard, rid, ErrorResponse(
-                error=f"seq_id {int(seq_id)} of model {model_id!r} waited {self.gap_timeout_s:g}s "
+                error=f"seq_id {seq_id} of model {model_id!r} waited {self.gap_timeout_s:g}s "
                 f"for seq_id {expected}, which never arrived",
                 status=408, code="seq_gap_timeout", retryable=False,
             ))
-            self.fence.set_counter(shard, keys.last_seq_key(model_id), int(seq_id))
+            self.fence.set_counter(shard, keys.last_seq_key(model_id), seq_id)
             self.drain(shard, model_id)
 
 
