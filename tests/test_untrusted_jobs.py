@@ -662,3 +662,31 @@ def test_random_job_hashes_and_queue_entries_never_stop_the_worker(r, config, st
     finally:
         listener.shutdown()
         listener.server_close()
+
+
+def test_a_stop_signal_while_a_claimed_job_loads_leaves_it_for_the_next_owner(r, config, tmp_path, monkeypatch):
+    """The signal handler raises StopRequested when the worker is not yet busy, which may be inside RQ's fetch of
+    a job just claimed; RQ tags that exception with the job id like a load failure. The job must not be answered
+    as unloadable: it stays in flight, and the next owner serves it once."""
+    from rq.exceptions import StopRequested
+
+    from worker.rq_worker import AllowlistJob
+
+    producer = Producer(r, config)
+    producer.submit(CreateModelRequest(model_id=M, base_model="ref"))
+    ticket = producer.submit(SampleRequest(model_id=M, prompt_tokens=[3]))
+    fetch = AllowlistJob.fetch.__func__
+    signalled: list[str] = []
+
+    def fetch_then_signal(cls, job_id, *args, **kwargs):  # noqa: ANN001, ANN202
+        if job_id == ticket.request_id and not signalled:
+            signalled.append(job_id)  # SIGTERM arrives while RQ loads the job it was handed
+            raise StopRequested()
+        return fetch(cls, job_id, *args, **kwargs)
+
+    monkeypatch.setattr(AllowlistJob, "fetch", classmethod(fetch_then_signal))
+    burst_worker(r, config, tmp_path).run(burst=True, logging_level="WARNING")
+    assert signalled == [ticket.request_id]
+    assert producer.get(ticket.request_id) is None  # not answered invalid_job: left in flight
+    burst_worker(r, config, tmp_path).run(burst=True, logging_level="WARNING")
+    assert isinstance(producer.get(ticket.request_id), SampleOutput), producer.get(ticket.request_id)

@@ -404,8 +404,10 @@ class ShardWorker(SimpleWorker):
             job, queue = self.queue_class._fetch_dequeued_job(
                 self.connection, queue_key, job_id, job_class=self.job_class, serializer=self.serializer,
                 death_penalty_class=self.death_penalty_class)
-        except REDIS_DOWN:
-            raise  # RQ tags every fetch error with the job id: this one is no fault of the job's
+        except (*REDIS_DOWN, StopRequested):
+            # RQ tags every fetch error with the job id, these too: neither is the job's fault. A stop signal
+            # raises StopRequested while the worker is not yet busy; the claimed job stays in flight for recovery.
+            raise
         except Exception as exc:  # noqa: BLE001
             if getattr(exc, "job_id", None) is None:
                 raise
