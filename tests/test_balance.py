@@ -3,6 +3,7 @@ with real worker processes on a real Redis, while a training program and its sam
 
 import signal
 import threading
+import time
 from collections import Counter
 
 from producer import Producer
@@ -90,3 +91,7 @@ def test_auto_workers_split_the_shards_and_rebalance_as_they_join_die_and_leave(
     assert not [out for out in outs if isinstance(out, ErrorResponse)], outs
     assert third.alive(), third.output()
     assert set(owners(r, config).values()) == {r.zrange(keys.WORKERS_KEY, 0, -1)[0].decode()}
+    # the worker that took every freed shard stops cleanly too, and at once (it used to exit 1 or keep running)
+    started = time.monotonic()
+    third.kill(signal.SIGTERM, timeout_s=10)
+    assert third.proc.returncode == 0 and time.monotonic() - started < 10, third.output()
