@@ -139,12 +139,15 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn, repeats: int, zero) -> tuple[float, float]:
-    """Median seconds of `repeats` calls after a warm-up, and the peak GiB over them."""
+def timed(fn, repeats: int, zero) -> tuple[float, float, float]:
+    """Median seconds of `repeats` calls after a warm-up, the peak GiB over them, and the warm-up's seconds (a
+    compiled variant compiles there)."""
     zero()
+    t0 = time.perf_counter()
     fn()
-    times = []
     sync()
+    warmup = time.perf_counter() - t0
+    times = []
     if DEVICE.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     for _ in range(repeats):
@@ -154,15 +157,18 @@ def timed(fn, repeats: int, zero) -> tuple[float, float]:
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30 if DEVICE.type == "cuda" else 0.0
+    peak = torch.cuda.max_memory_allocated() / 2**30 if DEVICE.type == "cuda" else 0.0
+    return statistics.median(times), peak, warmup
 
 
 def measure(fn, repeats, zero) -> dict:
     try:
-        seconds, peak = timed(fn, repeats, zero)
-        return {"seconds": seconds, "peak_gib": peak}
+        seconds, peak, warmup = timed(fn, repeats, zero)
+        return {"seconds": seconds, "peak_gib": peak, "warmup_seconds": warmup}
     except torch.OutOfMemoryError as exc:
         return {"oom": str(exc).split("\n")[0][:160]}
+    except Exception as exc:  # noqa: BLE001 - a variant that fails (a compiler error) is a row, not the end of the run
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
     finally:
         zero()
         gc.collect()
@@ -303,9 +309,11 @@ def profile(trainer, request, zero) -> None:
 def fmt(result: dict, row: dict) -> str:
     if "oom" in result:
         return "OOM"
+    if "error" in result:
+        return result["error"]
     rate = row["tokens"] / result["seconds"]
     return (f"{rate:,.0f} tok/s, MFU {100 * row['flops'] / result['seconds'] / PEAK_FLOPS:.1f}%, "
-            f"peak {result['peak_gib']:.1f} GiB")
+            f"peak {result['peak_gib']:.1f} GiB, warm-up {result['warmup_seconds']:.1f} s")
 
 
 def mfu(row: dict, result: dict) -> str:
@@ -331,7 +339,9 @@ def table(models: list[dict]) -> str:
                 cells += ["", ""]
             lines.append("| " + " | ".join(cells) + " |")
             for label, res in r.items():
-                if isinstance(res, dict) and label not in ("ours", "plain") and "seconds" in res:
+                if isinstance(res, dict) and label not in ("ours", "plain") and "seconds" not in res:
+                    lines.append(f"| | {label} | {res.get('error') or 'OOM'} | | | | | | | |")
+                elif isinstance(res, dict) and label not in ("ours", "plain"):
                     lines.append(f"| | {label} | {r['tokens'] / res['seconds']:,.0f} | {mfu(r, res)} | "
                                  f"{res['peak_gib']:.1f} | | | | | |")
     return "\n".join(lines)
