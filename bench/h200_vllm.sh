@@ -8,7 +8,7 @@
 #   TAG=name bash bench/h200_vllm.sh run MODEL [bench args...]   # bench/sampling_throughput.py on the GPU
 #   TAG=name bash bench/h200_vllm.sh rl_step [bench args...]     # bench/gpu_rl_step.py: an RL step through the queue
 #     (defaults: randq-0.5b, 256 prompts x 256 tokens, 5 steps after 1 warm-up; --sleep: vLLM's sleep mode during
-#     forward passes). About 4-5 minutes each: run one per device command.
+#     forward passes). About 5-7 minutes each on a fresh machine: run one per device command.
 set -euo pipefail
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 export VLLM_USE_FLASHINFER_SAMPLER=0 TVM_FFI_DISABLE_TORCH_C_DLPACK=1  # no flashinfer; no JIT build at import

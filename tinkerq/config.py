@@ -85,7 +85,7 @@ class RuntimeConfig(BaseSettings):
     # memory_share.py); 0.5 where no trainer shares the process (the Ray runtime's engine replicas). A number: that.
     vllm_gpu_memory_utilization: float | Literal["auto"] = "auto"
     # auto's allowance beyond the measured peak: the allocator's fragmentation, other models' adapters and optimizer
-    # states, CUDA graphs (vLLM does not count their memory in its share).
+    # states, what vLLM's own estimate of its share misses.
     vllm_memory_margin_gib: float = Field(2.0, ge=0.0)
     # vLLM's sleep mode around training: before a forward / forward_backward the engine gives back its KV cache and
     # its weights (to host memory, level 1), and takes them back before its next sample or sync. One base per worker
