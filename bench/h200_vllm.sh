@@ -6,12 +6,21 @@
 #   bash bench/h200_vllm_carry.sh                        # here: build .devcarry/p00 … pNN
 #   bash bench/h200_vllm.sh install                      # there: verify, unpack, pip install into /tmp/site
 #   TAG=name bash bench/h200_vllm.sh run MODEL [bench args...]   # bench/sampling_throughput.py on the GPU
+#   TAG=name bash bench/h200_vllm.sh rl_step [bench args...]     # bench/gpu_rl_step.py: an RL step through the queue
+#     (defaults: randq-0.5b, 256 prompts x 256 tokens, 5 steps after 1 warm-up; --sleep: vLLM's sleep mode during
+#     forward passes). About 5-7 minutes each on a fresh machine: run one per device command.
 set -euo pipefail
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 export VLLM_USE_FLASHINFER_SAMPLER=0 TVM_FFI_DISABLE_TORCH_C_DLPACK=1  # no flashinfer; no JIT build at import
 export PATH=/tmp/vw/redis:$PATH LD_LIBRARY_PATH=/tmp/vw/redis:${LD_LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+
+start_redis() {
+  # a daemon outlives the command (the machine keeps it while warm); a second start just fails to bind
+  redis-server --port 6390 --bind 127.0.0.1 --save '' --appendonly no --daemonize yes \
+    --logfile /tmp/redis.log >/dev/null || true
+}
 
 case "$1" in
 install)
@@ -26,12 +35,24 @@ run)
   shift
   model=$1
   shift
-  # a daemon outlives the command (the machine keeps it while warm); a second start just fails to bind
-  redis-server --port 6390 --bind 127.0.0.1 --save '' --appendonly no --daemonize yes \
-    --logfile /tmp/redis.log >/dev/null || true
+  start_redis
   tag=${TAG:-$model}
   REDIS_URL=redis://127.0.0.1:6390/0 python3 bench/sampling_throughput.py --model "$model" --device cuda \
     --dtype bfloat16 --out "$OUT/$tag.json" "$@" >"$OUT/$tag.log" 2>&1 || { tail -40 "$OUT/$tag.log"; exit 1; }
   sed -n '/^path /,$p' "$OUT/$tag.log"
+  ;;
+rl_step)
+  shift
+  start_redis
+  tag=${TAG:-rl_step}
+  status=0
+  REDIS_URL=redis://127.0.0.1:6390/0 python3 bench/gpu_rl_step.py --device cuda --tag "h200-$tag" "$@" \
+    >"$OUT/$tag.log" 2>&1 || { status=1; tail -60 "$OUT/$tag.log"; }
+  sed -n '/^RL step through/,$p' "$OUT/$tag.log"
+  cp bench/results/gpu_rl_step-h200-"$tag".* "$OUT"/ 2>/dev/null || true
+  # the worker's and the baseline's own logs (memory share, KV cache size, sleep/wake times)
+  logs=$(sed -n 's/.*logs in \(.*\)$/\1/p' "$OUT/$tag.log" | head -1)
+  [ -n "$logs" ] && for f in worker.log baseline.log; do cp "$logs/$f" "$OUT/$tag-$f" 2>/dev/null || true; done
+  exit $status
   ;;
 esac

@@ -1,6 +1,8 @@
 """Deployment settings shared by producers and workers (TINKERQ_* environment variables)."""
 
-from pydantic import Field, model_validator
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas import Limits
@@ -77,7 +79,18 @@ class RuntimeConfig(BaseSettings):
     vllm_inplace_sync: bool = True
     vllm_max_loras: int = Field(8, ge=1, description="adapters one engine step may mix")
     vllm_max_lora_rank: int = Field(64, ge=1)
-    vllm_gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
+    # The share of the GPU's memory each vLLM engine takes (vLLM's gpu_memory_utilization). auto: on a GPU, what is
+    # free when the engine starts less the trainer's measured peak for a full micro-batch (a dry forward_backward and
+    # optim_step on a throwaway adapter) less vllm_memory_margin_gib, logged at start (worker/vllm_runtime/
+    # memory_share.py); 0.5 where no trainer shares the process (the Ray runtime's engine replicas). A number: that.
+    vllm_gpu_memory_utilization: float | Literal["auto"] = "auto"
+    # auto's allowance beyond the measured peak: the allocator's fragmentation, other models' adapters and optimizer
+    # states, what vLLM's own estimate of its share misses.
+    vllm_memory_margin_gib: float = Field(2.0, ge=0.0)
+    # vLLM's sleep mode around training: before a forward / forward_backward the engine gives back its KV cache and
+    # its weights (to host memory, level 1), and takes them back before its next sample or sync. One base per worker
+    # (vLLM's allocator serves one engine a process); GPU only; costs a copy of the weights each way.
+    vllm_sleep_during_training: bool = False
     vllm_cpu_kv_cache_gib: float = Field(1.0, gt=0.0)
     # None: CUDA graphs on a GPU (3.7-9x the tokens/s of eager on the H200; capturing them slows start-up),
     # eager on the CPU.
@@ -103,6 +116,13 @@ class RuntimeConfig(BaseSettings):
     ray_num_cpus: int = Field(0, ge=0, description="CPUs of a local Ray cluster; 0: the host's (at least the bundles)")
     # Test aid for the reference engine: simulated generation time per token.
     reference_delay_per_token_s: float = Field(0.0, ge=0.0)
+
+    @field_validator("vllm_gpu_memory_utilization")
+    @classmethod
+    def _a_share(cls, value: float | str) -> float | str:
+        if value != "auto" and not 0.0 < value <= 1.0:
+            raise ValueError(f"vllm_gpu_memory_utilization must be auto or in (0, 1], not {value!r}")
+        return value
 
 
 class LimitsConfig(BaseSettings, Limits):

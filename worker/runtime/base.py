@@ -134,6 +134,10 @@ class Engine(ABC):
     def remove_model(self, model_id: str) -> None:  # noqa: B027 - optional
         """Drop every snapshot of a model."""
 
+    def make_room(self) -> None:  # noqa: B027 - optional
+        """The trainer is about to run a forward pass: an engine that can lend it device memory until its own next
+        call does (vLLM's sleep mode, `TINKERQ_VLLM_SLEEP_DURING_TRAINING`)."""
+
     def close(self) -> None:  # noqa: B027 - optional
         """Release the engine's resources (processes, device memory, files)."""
 

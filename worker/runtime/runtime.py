@@ -38,10 +38,10 @@ class Runtime:
                 return self.sync_weights(request)
             case CreateModelRequest():
                 return self._create(request)
-            case ForwardBackwardRequest():
-                return self.trainer.forward(self._known(request), backward=True)
-            case ForwardRequest():
-                return self.trainer.forward(self._known(request), backward=False)
+            case ForwardBackwardRequest() | ForwardRequest():
+                self._known(request)
+                self.engine.make_room()
+                return self.trainer.forward(request, backward=isinstance(request, ForwardBackwardRequest))
             case OptimStepRequest():
                 return self.trainer.optim_step(self._known(request))
             case SaveStateRequest():

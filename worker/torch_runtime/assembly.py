@@ -21,11 +21,18 @@ def engine_name(config: RuntimeConfig) -> str:
     return "vllm" if importlib.util.find_spec("vllm") is not None else "torch"
 
 
-def make_engine(config: RuntimeConfig, bases: BaseModels) -> Engine:
+def make_engine(config: RuntimeConfig, bases: BaseModels, trainer: TorchTrainer | None = None) -> Engine:
+    """`trainer`: the one beside the engine in this process, whose measured need sizes vLLM's share of the GPU
+    (TINKERQ_VLLM_GPU_MEMORY_UTILIZATION=auto)."""
     if engine_name(config) == "vllm":
         from worker.vllm_runtime.engine import VllmEngine
 
-        return VllmEngine(config, bases.catalog)
+        need = None
+        if trainer is not None:
+            def need(base_model: str) -> tuple[int, int]:
+                # the widest adapter the engine serves, on every target: the most a model may ask of the trainer
+                return trainer.peak_training_bytes(base_model, config.vllm_max_lora_rank)
+        return VllmEngine(config, bases.catalog, need)
     return TorchEngine(bases, config.max_snapshots)
 
 
@@ -52,4 +59,5 @@ def make_trainer(config: RuntimeConfig, bases: BaseModels) -> TorchTrainer:
 def make_runtime(config: RuntimeConfig) -> Runtime:
     set_threads(config)
     bases = BaseModels(config.device, config.dtype, BaseModelCatalog.from_env())
-    return Runtime(make_trainer(config, bases), make_engine(config, bases))
+    trainer = make_trainer(config, bases)
+    return Runtime(trainer, make_engine(config, bases, trainer))

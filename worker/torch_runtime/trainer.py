@@ -1,5 +1,6 @@
 """A multi-tenant LoRA trainer: one adapter and one AdamW per Tinker model, on shared base weights."""
 
+import gc
 import json
 import tempfile
 from dataclasses import dataclass
@@ -13,7 +14,9 @@ from schemas import (
     CreateModelOutput,
     CreateModelRequest,
     CustomLoss,
+    Datum,
     ForwardBackwardOutput,
+    ForwardBackwardRequest,
     ForwardRequest,
     LoadStateOutput,
     LoadStateRequest,
@@ -33,6 +36,7 @@ from worker.torch_runtime.packed_forward import TrainOptions, forward_request
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
 STATE_FILE = "tinkerq_state.json"
+PROBE = "tinkerq/memory-probe"  # the throwaway model peak_training_bytes trains: no valid model id has a '/'
 
 
 @dataclass
@@ -134,6 +138,54 @@ class TorchTrainer(Trainer):
                 self._custom_losses.clear()
             self._custom_losses[loss.loss_id] = compiled
         return self._custom_losses[loss.loss_id]
+
+    # -- what training needs (worker/vllm_runtime/memory_share.py) -------------------------------
+
+    def peak_training_bytes(self, base_model: str, rank: int) -> tuple[int, int]:
+        """The device memory `dry_run` takes above what is allocated now (torch's peak), and the tokens of the pass
+        it ran. CUDA only."""
+        device = self.bases.get(base_model).device
+        if device.type != "cuda":
+            raise ValueError(f"peak_training_bytes measures CUDA memory, not {device}")
+        gc.collect()
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        try:
+            tokens = self.dry_run(base_model, rank)
+            torch.cuda.synchronize(device)
+            peak = torch.cuda.max_memory_allocated(device) - before
+        finally:
+            gc.collect()
+            torch.cuda.empty_cache()
+        return peak, tokens
+
+    def dry_run(self, base_model: str, rank: int) -> int:
+        """One forward_backward and optim_step of a full pass (`micro_batch_tokens` tokens, in datums of up to 2048)
+        on a throwaway adapter of `rank` on every target the trainer trains (attention, MLP, unembedding); returns
+        the tokens. Loads the base if it was not; leaves no adapter, gradient or optimizer state behind, and the
+        RNG as it was."""
+        base = self.bases.get(base_model)
+        options = self.options or TrainOptions.for_device(base.device)
+        tokens = options.micro_batch_tokens
+        length = max(2, min(2048, tokens, getattr(base.model.config, "max_position_embeddings", None) or 2048))
+        vocab = base.vocab_size
+        data = []
+        for start in range(0, tokens, length):
+            ids = [(7 * (start + j) + 3) % vocab for j in range(min(length, tokens - start))]
+            data.append(Datum(model_input=ids, loss_fn_inputs={"target_tokens": [float(t) for t in ids[1:] + ids[:1]]}))
+        request = ForwardBackwardRequest(model_id="probe", data=data, loss_fn="cross_entropy")
+        devices = [base.device] if base.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices):
+                probe = self._add(PROBE, base, LoraSpec(rank=rank, seed=0))
+                base.model.set_adapter(probe.adapter)
+                forward_request(base, probe.adapter, request, True, options, probe.optimizer.param_groups[0]["params"])
+                probe.optimizer.step()
+        finally:
+            self.remove_model(PROBE)
+        return tokens
 
     # -- optimizer ------------------------------------------------------------------------------
 

@@ -18,10 +18,12 @@ weights change.
 
 import importlib.util
 import itertools
+import logging
 import os
 import shutil
 import tempfile
 from collections import OrderedDict, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +35,11 @@ from tinkerq.config import RuntimeConfig
 from worker.runtime.base import Admit, Done, DomainError, Engine, Keyed, check_fits, in_order, servable
 from worker.torch_runtime.base_models import base_path, resolve_device, resolve_dtype
 from worker.torch_runtime.lora_io import LoraWeights, save_adapter
-from worker.vllm_runtime import inplace, inplace_merged, merge, requests as translate
+from worker.vllm_runtime import inplace, inplace_merged, memory_share, merge, requests as translate
+
+log = logging.getLogger(__name__)
+# base model -> the trainer's peak device memory above what it holds now, and the tokens a pass it was measured at
+TrainerNeed = Callable[[str], tuple[int, int]]
 
 
 def configure_environment(config: RuntimeConfig) -> None:
@@ -49,7 +55,8 @@ def configure_environment(config: RuntimeConfig) -> None:
 
 
 class VllmEngine(Engine):
-    def __init__(self, config: RuntimeConfig, catalog: BaseModelCatalog | None = None) -> None:
+    def __init__(self, config: RuntimeConfig, catalog: BaseModelCatalog | None = None,
+                 trainer_need: TrainerNeed | None = None) -> None:
         configure_environment(config)
         self.catalog = catalog or BaseModelCatalog.from_env()
         from worker.vllm_runtime import patches
@@ -81,10 +88,17 @@ class VllmEngine(Engine):
         # (part of every prefix-cache key), so KV cached on older weights is never hit again, with no reset
         # (vLLM's reset_prefix_cache walks every KV block in Python: ~200k of them for 0.5B in 0.3 of an H200).
         self.epochs: dict[str, int] = {}
+        # TINKERQ_VLLM_GPU_MEMORY_UTILIZATION=auto measures the trainer beside it (memory_share.py)
+        self.trainer_need = trainer_need
+        self.memory_plans: dict[str, memory_share.MemoryPlan] = {}
+        # sleep mode (GPU only): asleep from a trainer's forward pass (make_room) to the engine's next call
+        self.sleep_mode = config.vllm_sleep_during_training and self.device.type == "cuda"
+        self.asleep = False
 
     # -- models and snapshots -------------------------------------------------------------------
 
     def check_create(self, request: CreateModelRequest) -> None:
+        self._check_new_base(request.base_model)
         lora = request.lora
         if lora is None:
             return
@@ -100,6 +114,7 @@ class VllmEngine(Engine):
                               "lm_head adapter cannot be served; use train_unembed=false or vllm_sync=lora")
 
     def add_model(self, model_id: str, base_model: str, weights: LoraWeights, version: int = 0) -> None:
+        self._wake()
         self.remove_model(model_id)
         self._llm(base_model)
         self.base_of[model_id] = base_model
@@ -110,6 +125,7 @@ class VllmEngine(Engine):
         self.apply_weights(model_id, version, weights)
 
     def apply_weights(self, model_id: str, version: int, weights: LoraWeights) -> None:
+        self._wake()
         held = self.snapshots[model_id]
         if self.merged:
             self._reload(self.base_of[model_id], weights)
@@ -126,6 +142,7 @@ class VllmEngine(Engine):
     def restore_snapshot(self, model_id: str, version: int, weights: LoraWeights) -> bool:
         if self.merged:
             return False  # the engine holds one model's latest merged weights only
+        self._wake()
         lora = None if _is_identity(weights) else self._add_adapter(model_id, version, weights)
         self.snapshots[model_id][version] = lora  # an untrained adapter is served as the base model itself
         # The in-place path keeps these tensors for vLLM already (a slot's re-activation): holding them costs nothing.
@@ -148,12 +165,40 @@ class VllmEngine(Engine):
         self._llm(base_model)
 
     def remove_model(self, model_id: str) -> None:
+        self._wake()  # vLLM zeroes a removed adapter's slot
         base = self.base_of.pop(model_id, None)
         self.weights.pop(model_id, None)
         for lora in self.snapshots.pop(model_id, {}).values():
             self._drop(model_id, lora)
         if base is not None and self.owner.get(base) == model_id:
             del self.owner[base]
+
+    # -- sleep mode: the trainer borrows the engine's memory ---------------------------------------
+
+    def make_room(self) -> None:
+        """Sleep mode: before a forward pass of the trainer, vLLM (level 1) copies its weights (LoRA slots included:
+        they are allocated with them) to host memory and drops its KV cache and prefix cache, handing that device
+        memory back. vLLM keeps the same device addresses for all of it, so CUDA graphs and the in-place writers'
+        tensors stay valid after `_wake`. Only while no sample runs: the engine loop drains before the worker takes
+        a training op."""
+        if self.sleep_mode and not self.asleep and self.llms:
+            for llm in self.llms.values():
+                llm.sleep(level=1)
+            self.asleep = True
+
+    def _wake(self) -> None:
+        """Before any call that touches the engine's memory (a sample, a sync, a new or removed model)."""
+        if self.asleep:
+            torch.cuda.empty_cache()  # the trainer's cached blocks back to the device, for vLLM to map again
+            for llm in self.llms.values():
+                llm.wake_up()
+            self.asleep = False
+
+    def _check_new_base(self, base_model: str) -> None:
+        if self.sleep_mode and self.llms and base_model not in self.llms:
+            raise DomainError(400, "unsupported", f"this worker runs vLLM in sleep mode (TINKERQ_VLLM_SLEEP_DURING_"
+                              f"TRAINING), whose allocator serves one engine a process, and it serves "
+                              f"{next(iter(self.llms))!r}: {base_model!r} needs another worker")
 
     def close(self) -> None:
         for llm in self.llms.values():
@@ -224,6 +269,8 @@ class VllmEngine(Engine):
 
     def _llm(self, base_model: str) -> Any:
         if base_model not in self.llms:
+            self._check_new_base(base_model)
+            self._wake()
             self.llms[base_model] = self._build(base_model)
         return self.llms[base_model]
 
@@ -234,7 +281,9 @@ class VllmEngine(Engine):
         kwargs: dict[str, Any] = dict(model=str(path), dtype=str(self.dtype).removeprefix("torch."), seed=0,
                                       enforce_eager=self._eager(), enable_prefix_caching=True)
         if self.device.type == "cuda":
-            kwargs["gpu_memory_utilization"] = self.config.vllm_gpu_memory_utilization
+            kwargs["gpu_memory_utilization"] = self._share(base_model)
+            if self.sleep_mode:
+                kwargs["enable_sleep_mode"] = True
         if not self.merged:
             # max_cpu_loras: snapshots registered beyond the slots stay servable (re-activated on demand)
             kwargs.update(enable_lora=True, max_loras=self.config.vllm_max_loras,
@@ -242,6 +291,22 @@ class VllmEngine(Engine):
                           max_cpu_loras=max(1024, self.config.vllm_max_loras))
         with self._plain_linear():
             return LLM(**kwargs)
+
+    def _share(self, base_model: str) -> float:
+        """vLLM's gpu_memory_utilization for the engine of `base_model` (memory_share.py)."""
+        setting = self.config.vllm_gpu_memory_utilization
+        if setting != "auto":
+            return setting
+        if self.trainer_need is None:
+            log.info("vLLM memory share for %s: %g (auto, with no trainer in this process to measure)", base_model,
+                     memory_share.NO_TRAINER_SHARE)
+            return memory_share.NO_TRAINER_SHARE
+        reserved = max((plan.trainer_peak for plan in self.memory_plans.values()), default=0)
+        plan = memory_share.measured_share(base_model, lambda: self.trainer_need(base_model),
+                                           lambda: memory_share.cuda_mem_info(self.device),
+                                           int(self.config.vllm_memory_margin_gib * memory_share.GIB), reserved)
+        self.memory_plans[base_model] = plan
+        return plan.utilization
 
     def _path(self, base_model: str) -> Path:
         return base_path(self.catalog, base_model)
@@ -258,6 +323,7 @@ class VllmEngine(Engine):
 
     def generate_stream(self, items: Keyed, done: Done, admit: Admit | None = None) -> None:
         """One engine loop per call key; requests `admit` finds for the same key join it between steps."""
+        self._wake()
         calls: dict[tuple, Keyed] = defaultdict(list)
         for key, request in items:
             calls[self._call_key(request)].append((key, request))

@@ -1,0 +1,433 @@
+"""An RL step end to end through the queue, timed by phase, against raw vLLM on the same prompts (issue 14, item 5).
+
+    python bench/gpu_rl_step.py [--device cuda] [--model randq-0.5b] [--prompts 256] [--max-tokens 256] [--steps 5]
+    python bench/gpu_rl_step.py --device cpu       # smoke: tinyq-micro, float32, 16 prompts x 16 tokens, 3 steps
+
+Two parts, one after the other, so that each has the GPU to itself:
+
+1. **Baseline, in a child process** that exits before the worker starts (a vLLM engine does not give its memory back
+   reliably inside a process, and the worker sizes its own share from what is free): the torch runtime built in
+   process from the worker's own settings, a model created, trained one step and synced (its adapter live in vLLM),
+   then vLLM's own `LLM.generate` on the same prompts, with the vLLM SamplingParams our engine builds for them
+   (`worker/vllm_runtime/requests.sampling_params`: same seeds, temperature, logprobs, ignore_eos) and the same
+   adapter; and our engine's `Runtime.sample` in process for reference. Median of --raw-rounds after a warm-up.
+2. **The queue**: Redis (REDIS_URL, or one embedded), a `tinkerq worker` process with those settings, a Producer
+   here. Each step: sample (`submit_many` of P requests, each pinned by the producer to the latest version, until
+   every result is in), build the datums (importance_sampling: the samples' tokens, their logprobs, advantage =
+   reward - batch mean, reward = the fraction of even token ids; or cross_entropy weighted by the advantages),
+   forward_backward (one request), optim_step, transient weight sync; each phase timed from its submit to its
+   result. Every sample of a step must carry the version the previous step's sync made. Median of --steps steps
+   after --warmup steps.
+
+Reports the phases' medians, the sync's share of the step (goal < 1%) and the queue's sampling tokens/s against raw
+vLLM (goal >= 0.9); writes bench/results/gpu_rl_step[-TAG].json and .png (phase times per step). With --sleep the
+worker runs vLLM in sleep mode (TINKERQ_VLLM_SLEEP_DURING_TRAINING): its forward_backward phase then includes vLLM
+falling asleep and its sync phase vLLM waking up.
+"""
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from redis import Redis
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from commands.redis_server import EmbeddedRedis  # noqa: E402
+from producer import Producer  # noqa: E402
+from schemas import (  # noqa: E402
+    AdamParams,
+    CreateModelRequest,
+    Datum,
+    ForwardBackwardRequest,
+    LoraConfig,
+    OptimStepRequest,
+    SampleRequest,
+    SamplingParams,
+    WeightSyncRequest,
+)
+from tinkerq.config import QueueConfig  # noqa: E402
+
+MODEL = "bench-rl:train:0"
+PHASES = ("sample", "build", "forward_backward", "optim_step", "sync")
+DEFAULTS = {"cuda": dict(model="randq-0.5b", dtype="bfloat16", prompts=256, max_tokens=256, prompt_len=32, steps=5,
+                         warmup=1, raw_rounds=3, rank=32),
+            "cpu": dict(model="tinyq-micro", dtype="float32", prompts=16, max_tokens=16, prompt_len=16, steps=3,
+                        warmup=1, raw_rounds=3, rank=8)}
+# what the worker's log says about its memory and sleep mode, kept in the JSON
+LOG_LINES = re.compile(r"vLLM memory share|fall asleep|wake up tags|Sleep mode freed|KV cache|CUDA graph")
+
+
+def prompts(args) -> list[list[int]]:
+    return [[(7 * i + 13 * j) % 1000 + 3 for j in range(args.prompt_len)] for i in range(args.prompts)]
+
+
+def sample_requests(args, model_id: str = MODEL) -> list[SampleRequest]:
+    # stop=[]: every sequence is max_tokens long (ignore_eos), in every path
+    return [SampleRequest(model_id=model_id, prompt_tokens=p, num_samples=args.num_samples,
+                          sampling_params=SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=i, stop=[]))
+            for i, p in enumerate(prompts(args))]
+
+
+def create_request(args) -> CreateModelRequest:
+    return CreateModelRequest(model_id=MODEL, base_model=args.model,
+                              lora=LoraConfig(rank=args.rank, seed=0, train_unembed=args.train_unembed))
+
+
+def settings(args) -> dict[str, str]:
+    """The runtime's settings, for RuntimeConfig in the baseline and as TINKERQ_* for the worker."""
+    out = {"runtime": "torch", "engine": "vllm", "vllm_sync": args.vllm_sync, "device": args.device,
+           "dtype": args.dtype, "vllm_gpu_memory_utilization": args.gpu_memory_utilization,
+           "vllm_max_lora_rank": str(args.rank), "vllm_sleep_during_training": str(args.sleep).lower(),
+           "vllm_memory_margin_gib": str(args.memory_margin_gib),
+           "train_micro_batch_tokens": str(args.micro_batch_tokens)}
+    if args.eager is not None:
+        out["vllm_enforce_eager"] = str(args.eager).lower()
+    return out
+
+
+def reward(tokens: list[int]) -> float:
+    return sum(t % 2 == 0 for t in tokens) / max(1, len(tokens))
+
+
+def build_datums(args, requests: list[SampleRequest], outputs: list) -> list[Datum]:
+    """One datum per sampled sequence: prompt + completion, the sampler's logprobs on the completion, advantage =
+    reward - the batch's mean reward on the completion (0 on the prompt: no gradient there)."""
+    rows = [(r.prompt_tokens, s) for r, o in zip(requests, outputs) for s in o.sequences]
+    rewards = [reward(s.tokens) for _, s in rows]
+    mean = statistics.fmean(rewards)
+    data = []
+    for (prompt, seq), r in zip(rows, rewards):
+        full = prompt + seq.tokens
+        pad = [0.0] * (len(prompt) - 1)
+        advantages = pad + [r - mean] * len(seq.tokens)
+        inputs = {"target_tokens": [float(t) for t in full[1:]]}
+        if args.loss == "importance_sampling":
+            inputs.update(logprobs=pad + list(seq.logprobs), advantages=advantages)
+        else:
+            inputs.update(weights=advantages)
+        data.append(Datum(model_input=full[:-1], loss_fn_inputs=inputs))
+    return data
+
+
+def tokens_of(outputs) -> int:
+    return sum(len(s.tokens) for o in outputs for s in o.sequences)
+
+
+# -- 1. the baseline, in a child process ---------------------------------------------------------------------------
+
+def baseline(args) -> dict:
+    """Raw vLLM LLM.generate and our engine in process, on the runtime the worker builds from the same settings."""
+    import torch
+    from vllm import SamplingParams as VllmParams
+
+    from tinkerq.config import RuntimeConfig
+    from worker.runtimes import build_runtime
+    from worker.vllm_runtime import requests as translate
+
+    tmp = Path(tempfile.mkdtemp(prefix="tinkerq-rl-baseline-"))
+    rt = build_runtime(RuntimeConfig(checkpoint_root=str(tmp), **settings(args)))
+    rt.execute(create_request(args))
+    requests = sample_requests(args)
+    # one training step and a sync, so that the adapter is live in vLLM (an untrained one is served as the base)
+    outputs = rt.sample([r.model_copy(update={"weights_version": 0}) for r in requests])
+    rt.execute(ForwardBackwardRequest(model_id=MODEL, data=build_datums(args, requests, outputs), loss_fn=args.loss))
+    rt.execute(OptimStepRequest(model_id=MODEL, adam_params=AdamParams(learning_rate=args.lr)))
+    rt.execute(WeightSyncRequest(model_id=MODEL, version=1))
+    engine = rt.engine
+    llm, lora = engine.llms[args.model], engine.snapshots[MODEL][1]
+    assert lora is not None or args.vllm_sync == "merged", "the trained adapter is not live"
+    vllm_prompts, vllm_params = [], []
+    for r in requests:
+        for k in range(r.num_samples):
+            vllm_prompts.append({"prompt_token_ids": r.prompt_tokens})
+            vllm_params.append(VllmParams(**translate.sampling_params(r, k)))
+    pinned = [r.model_copy(update={"weights_version": 1}) for r in requests]
+
+    def raw() -> float:
+        start = time.perf_counter()
+        outs = llm.generate(vllm_prompts, vllm_params, lora_request=lora, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        return sum(len(o.outputs[0].token_ids) for o in outs) / seconds
+
+    def ours() -> float:
+        start = time.perf_counter()
+        outs = rt.sample(pinned)
+        seconds = time.perf_counter() - start
+        assert all(o.type == "sample" for o in outs), outs[:1]
+        return tokens_of(outs) / seconds
+
+    raw(), ours()  # warm-up (LoRA kernels' JIT, first batch shapes)
+    rounds = {"vllm_raw": [], "engine_in_process": []}
+    for _ in range(args.raw_rounds):  # interleaved, so drift hits both alike
+        rounds["vllm_raw"].append(raw())
+        rounds["engine_in_process"].append(ours())
+    memory = {base: {"utilization": p.utilization, "total": p.total, "free": p.free, "trainer_peak": p.trainer_peak,
+                     "margin": p.margin, "budget_tokens": p.budget_tokens, "line": p.describe()}
+              for base, p in engine.memory_plans.items()}
+    info = {"tokens_per_s": {k: statistics.median(v) for k, v in rounds.items()}, "rounds": rounds,
+            "memory_plans": memory, "torch": torch.__version__}
+    try:
+        import vllm
+
+        info["vllm"] = vllm.__version__
+    except AttributeError:
+        pass
+    if torch.cuda.is_available() and args.device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name()
+        info["gpu_peak_allocated"] = torch.cuda.max_memory_allocated()
+    engine.close()
+    return info
+
+
+def run_baseline(args, tmp: Path) -> dict:
+    out, log = tmp / "baseline.json", tmp / "baseline.log"
+    argv = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--baseline-json", str(out)]
+    with open(log, "w") as f:
+        done = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=child_env(args, tmp))
+    if done.returncode != 0:
+        raise RuntimeError(f"the baseline process failed ({done.returncode}):\n{log.read_text()[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def child_env(args, tmp: Path) -> dict[str, str]:
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1",
+            **{f"TINKERQ_{k.upper()}": v for k, v in settings(args).items()},
+            "TINKERQ_NUM_SHARDS": "1", "TINKERQ_CHECKPOINT_ROOT": str(tmp / "ckpt"),
+            "TINKERQ_MAX_BATCH_REQUESTS": str(max(256, args.prompts))}
+
+
+# -- 2. the queue --------------------------------------------------------------------------------------------------
+
+class Queue:
+    """A `tinkerq worker` process and a Producer, and waits that fail fast with the worker's log if it dies."""
+
+    def __init__(self, args, url: str, tmp: Path) -> None:
+        self.log = tmp / "worker.log"
+        self.worker = subprocess.Popen([sys.executable, "-m", "commands.cli", "worker", "--redis-url", url,
+                                        "--log-level", "INFO"], env=child_env(args, tmp), cwd=ROOT,
+                                       stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
+        self.producer = Producer(Redis.from_url(url), QueueConfig(num_shards=1))
+
+    def wait(self, ticket, kind: str, timeout_s: float = 1800):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            result = self.producer.wait(ticket.request_id, 1)
+            if result is not None:
+                if result.type != kind:
+                    raise RuntimeError(f"expected a {kind} result, got {result}")
+                return result
+            if self.worker.poll() is not None:
+                raise RuntimeError(f"the worker exited ({self.worker.returncode}):\n{self.log.read_text()[-4000:]}")
+        raise TimeoutError(f"no result for {ticket.request_id} in {timeout_s} s")
+
+    def log_lines(self) -> list[str]:
+        return [line.strip() for line in self.log.read_text(errors="replace").splitlines() if LOG_LINES.search(line)]
+
+    def close(self) -> None:
+        self.producer.close()
+        self.worker.terminate()
+        try:
+            self.worker.wait(60)
+        except subprocess.TimeoutExpired:
+            self.worker.kill()
+
+
+def rl_steps(args, queue: Queue) -> list[dict]:
+    """Warm-up and timed steps through the queue; one row per step."""
+    started = time.perf_counter()
+    queue.wait(queue.producer.submit(create_request(args)), "create_model")
+    print(f"worker ready (model created, engine started) in {time.perf_counter() - started:.1f} s", flush=True)
+    requests = sample_requests(args)
+    version = 0  # what the producer pins samples to: the latest sync (0: none yet)
+    rows = []
+    for step in range(args.warmup + args.steps):
+        row: dict = {"step": step, "warmup": step < args.warmup}
+        t0 = time.perf_counter()
+        outputs = [queue.wait(t, "sample") for t in queue.producer.submit_many(requests)]
+        t1 = time.perf_counter()
+        row["versions_served"] = sorted({o.weights_version for o in outputs})
+        row["right_version"] = row["versions_served"] == [version]
+        data = build_datums(args, requests, outputs)
+        t2 = time.perf_counter()
+        fb = queue.wait(queue.producer.submit(ForwardBackwardRequest(model_id=MODEL, data=data, loss_fn=args.loss)),
+                        "forward_backward")
+        t3 = time.perf_counter()
+        queue.wait(queue.producer.submit(OptimStepRequest(model_id=MODEL, adam_params=AdamParams(learning_rate=args.lr))),
+                   "optim_step")
+        t4 = time.perf_counter()
+        sync = queue.wait(queue.producer.submit(WeightSyncRequest(model_id=MODEL)), "weight_sync")
+        t5 = time.perf_counter()
+        assert sync.applied and not sync.persisted and sync.version == version + 1, sync
+        version = sync.version
+        tokens = tokens_of(outputs)
+        row.update({"ms": dict(zip(PHASES, ((b - a) * 1e3 for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4),
+                                                                      (t4, t5))))),
+                    "total_ms": (t5 - t0) * 1e3, "sampled_tokens": tokens, "sample_tokens_per_s": tokens / (t1 - t0),
+                    "train_tokens": sum(len(d.model_input) for d in data), "loss": fb.metrics.get("loss:sum"),
+                    "mean_reward": statistics.fmean(reward(s.tokens) for o in outputs for s in o.sequences),
+                    "version": version})
+        row["sync_share"] = row["ms"]["sync"] / row["total_ms"]
+        rows.append(row)
+        ms = row["ms"]
+        print(f"step {step}{' (warm-up)' if row['warmup'] else ''}: " + ", ".join(f"{k} {v:.1f}" for k, v in ms.items())
+              + f" ms; total {row['total_ms']:.0f} ms; {row['sample_tokens_per_s']:.0f} tok/s; served v"
+              f"{row['versions_served']}", flush=True)
+    return rows
+
+
+# -- report --------------------------------------------------------------------------------------------------------
+
+def summarize(rows: list[dict], base: dict) -> dict:
+    timed = [r for r in rows if not r["warmup"]]
+    phases = {p: statistics.median(r["ms"][p] for r in timed) for p in PHASES}
+    total = statistics.median(r["total_ms"] for r in timed)
+    queue_rate = statistics.median(r["sample_tokens_per_s"] for r in timed)
+    raw = base["tokens_per_s"]["vllm_raw"]
+    return {"phase_ms": phases, "total_ms": total,
+            "sync_share": statistics.median(r["sync_share"] for r in timed),
+            "sample_tokens_per_s": queue_rate, "raw_tokens_per_s": raw,
+            "engine_in_process_tokens_per_s": base["tokens_per_s"]["engine_in_process"],
+            "sampling_ratio_to_raw": queue_rate / raw,
+            "all_served_right_version": all(r["right_version"] for r in rows)}
+
+
+def print_table(args, summary: dict) -> None:
+    total = summary["total_ms"]
+    print(f"\nRL step through the queue: {args.model}, {args.prompts} prompts x {args.num_samples} x {args.max_tokens} "
+          f"tokens, {args.loss}, LoRA rank {args.rank}, {args.vllm_sync} sync{', sleep mode' if args.sleep else ''} "
+          f"(median of {args.steps} steps after {args.warmup} warm-up)")
+    print(f"{'phase':<18}{'ms':>10}{'share':>9}")
+    for phase, ms in summary["phase_ms"].items():
+        print(f"{phase:<18}{ms:>10.1f}{ms / total:>9.2%}")
+    print(f"{'step (total)':<18}{total:>10.1f}{1:>9.0%}")
+    goal = lambda ok: "met" if ok else "NOT met"  # noqa: E731
+    print(f"\nsync share of the step (median of per-step shares): {summary['sync_share']:.3%}  "
+          f"(goal < 1%: {goal(summary['sync_share'] < 0.01)})")
+    print(f"sampling: queue {summary['sample_tokens_per_s']:.0f} tok/s, raw vLLM LLM.generate "
+          f"{summary['raw_tokens_per_s']:.0f} tok/s (child process, before the worker), our engine in process "
+          f"{summary['engine_in_process_tokens_per_s']:.0f} tok/s; queue / raw = {summary['sampling_ratio_to_raw']:.3f} "
+          f"(goal >= 0.9: {goal(summary['sampling_ratio_to_raw'] >= 0.9)})")
+    print(f"every sample served on the version of the sync before it: {summary['all_served_right_version']}")
+
+
+def plot(rows: list[dict], summary: dict, title: str, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no PNG")
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    labels = [f"{r['step']}{'w' if r['warmup'] else ''}" for r in rows]
+    bottom = [0.0] * len(rows)
+    for phase in PHASES:
+        values = [r["ms"][phase] / 1e3 for r in rows]
+        left.bar(labels, values, bottom=bottom, label=phase)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    raw_s = rows[0]["sampled_tokens"] / summary["raw_tokens_per_s"]
+    left.axhline(raw_s, color="k", linestyle=":", linewidth=1, label="raw vLLM sampling time")
+    left.set(xlabel="step (w: warm-up)", ylabel="seconds", title="phases per step")
+    left.legend(fontsize=7)
+    phases = summary["phase_ms"]
+    right.barh(list(phases), list(phases.values()))
+    right.set_xscale("log")
+    right.set(xlabel="ms (median, log scale)", title=f"sync {summary['sync_share']:.2%} of the step; "
+              f"sampling {summary['sampling_ratio_to_raw']:.2f}x raw")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--model")
+    parser.add_argument("--dtype")
+    parser.add_argument("--prompts", type=int)
+    parser.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
+    parser.add_argument("--max-tokens", type=int)
+    parser.add_argument("--prompt-len", type=int)
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--warmup", type=int)
+    parser.add_argument("--raw-rounds", type=int)
+    parser.add_argument("--rank", type=int)
+    parser.add_argument("--loss", default="importance_sampling", choices=["importance_sampling", "cross_entropy"])
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--train-unembed", action="store_true", help="LoRA on lm_head too")
+    parser.add_argument("--vllm-sync", default="lora", choices=["lora", "merged"])
+    parser.add_argument("--gpu-memory-utilization", default="auto", help="auto (sized from the trainer) or a share")
+    parser.add_argument("--memory-margin-gib", type=float, default=2.0)
+    parser.add_argument("--micro-batch-tokens", type=int, default=0, help="TINKERQ_TRAIN_MICRO_BATCH_TOKENS")
+    parser.add_argument("--eager", action=argparse.BooleanOptionalAction, default=None,
+                        help="vLLM eager (--eager) or CUDA graphs (--no-eager); default: the worker's (graphs on a GPU)")
+    parser.add_argument("--sleep", action="store_true", help="vLLM sleep mode during forward passes")
+    parser.add_argument("--tag", default="")
+    parser.add_argument("--out", help="JSON path (default bench/results/gpu_rl_step[-TAG].json)")
+    parser.add_argument("--baseline-json", help=argparse.SUPPRESS)  # the child process of part 1
+    args = parser.parse_args()
+    for key, value in DEFAULTS["cpu" if args.device == "cpu" else "cuda"].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.baseline_json:
+        Path(args.baseline_json).write_text(json.dumps(baseline(args)))
+        return
+
+    tmp = Path(tempfile.mkdtemp(prefix="tinkerq-rl-step-"))
+    print(f"{args.prompts} prompts x {args.num_samples} x {args.max_tokens} tokens on {args.model} ({args.device}, "
+          f"{args.dtype}); logs in {tmp}", flush=True)
+    started = time.perf_counter()
+    base = run_baseline(args, tmp)
+    print(f"baseline (child process, {time.perf_counter() - started:.0f} s): raw vLLM "
+          f"{base['tokens_per_s']['vllm_raw']:.0f} tok/s, our engine in process "
+          f"{base['tokens_per_s']['engine_in_process']:.0f} tok/s", flush=True)
+    for plan in base["memory_plans"].values():
+        print(f"baseline {plan['line']}")
+    with ExitStack() as stack:
+        url = os.environ.get("REDIS_URL") or stack.enter_context(EmbeddedRedis()).url
+        Redis.from_url(url).flushdb()
+        queue = Queue(args, url, tmp)
+        try:
+            rows = rl_steps(args, queue)
+        finally:
+            queue.close()
+        worker_lines = queue.log_lines()
+    summary = summarize(rows, base)
+    print_table(args, summary)
+    for line in worker_lines:
+        if "memory share" in line:
+            print(f"worker: {line}")
+    name = "gpu_rl_step" + (f"-{args.tag}" if args.tag else "")
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, Python "
+                         f"{platform.python_version()}",
+              "workload": {k: v for k, v in vars(args).items() if k not in ("baseline_json", "out")},
+              "worker_settings": settings(args),
+              "baseline_where": "raw vLLM LLM.generate and our engine, in a child process run to completion before "
+                                "the worker starts, on the runtime built from the worker's settings",
+              "baseline": base, "summary": summary, "steps": rows, "worker_log": worker_lines}
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+    title = (f"{args.model} {args.device}: {args.prompts}x{args.num_samples}x{args.max_tokens} tokens, {args.loss}, "
+             f"rank {args.rank}, {args.vllm_sync}{', sleep mode' if args.sleep else ''}")
+    plot(rows, summary, title, out.with_suffix(".png"))
+    sys.exit(0 if summary["all_served_right_version"] else 1)
+
+
+if __name__ == "__main__":
+    main()
