@@ -10,7 +10,7 @@ VLLM_SET="vllm==0.26.0 pydantic==2.14.4 pydantic-core==2.50.5 typing-inspection=
 cbor2==6.3.0 pyzmq==27.3.0 msgspec==0.23.0 pybase64==1.5.1 cachetools==8.0.2 openai==3.57.0 openai-harmony==0.0.8
 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0 sniffio==1.3.1 llguidance==1.7.6 xgrammar==0.2.7
 apache-tvm-ffi==0.1.10 fastapi==0.136.3 starlette==1.10.0 partial-json-parser==0.2.1.1.post7 blake3==1.0.11
-setproctitle==1.3.8 depyf==0.20.0 astor==0.8.1 dill==0.4.1"
+setproctitle==1.3.8 depyf==0.20.0 astor==0.8.1 dill==0.4.1 liger-kernel==0.8.5"
 OURS="rq redis croniter pydantic-settings python-dotenv"
 pins=()
 for pkg in $OURS; do

@@ -30,8 +30,6 @@ OPTIONS = {
     "micro-batches": TrainOptions(micro_batch_tokens=20),  # 5 passes, gradients accumulated
     "checkpointed": TrainOptions(activation_budget_bytes=0),  # every layer recomputed in the backward
     "all at once": TrainOptions(micro_batch_tokens=20, logits_chunk_elements=7 * VOCAB, activation_budget_bytes=0),
-    # Inductor's code for every layer, over micro-batches of several lengths, recomputed in the backward
-    "compiled layers": TrainOptions(compile_layers=True, micro_batch_tokens=20, activation_budget_bytes=0),
 }
 
 
@@ -160,14 +158,6 @@ def test_every_loss_gives_the_outputs_and_gradients_of_the_straightforward_compu
 def test_each_means_alone_gives_the_straightforward_computation(trainer, models, base, option):
     trainer.options = OPTIONS[option]
     check_against_straightforward(trainer, models[base], batch(trainer, models[base], "importance_sampling"))
-
-
-@pytest.mark.slow
-def test_compiled_layers_give_the_straightforward_computation(trainer, models):
-    """Inductor compiles on the CPU too (1-2 minutes on 2 cores for one base): what runs on a GPU, checked here."""
-    trainer.options = OPTIONS["compiled layers"]
-    model = models["tinyq-micro"]
-    check_against_straightforward(trainer, model, batch(trainer, model, "importance_sampling"))
 
 
 @pytest.mark.parametrize("option", ["one pass", "all at once"])

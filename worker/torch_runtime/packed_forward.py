@@ -21,7 +21,6 @@ from worker.runtime.base import DomainError
 from worker.torch_runtime import losses
 from worker.torch_runtime.activation_checkpointing import checkpointed, layer_bytes_per_token, layers_to_checkpoint
 from worker.torch_runtime.base_models import LoadedBase
-from worker.torch_runtime.compiled_layers import compiled_layers
 from worker.torch_runtime.fused_kernels import available as fused_kernels_available
 from worker.torch_runtime.fused_kernels import fused_kernels
 from worker.torch_runtime.lora_compute import lean_lora
@@ -50,7 +49,6 @@ class TrainOptions:
     logits_chunk_elements: int = 1 << 27  # logits values alive at once in the unembedding (x 8 bytes at peak)
     activation_budget_bytes: float = math.inf  # activations kept whole per micro-batch; the rest is recomputed
     fused_kernels: bool = False  # Liger's RMSNorm / SwiGLU / rotary kernels (fused_kernels.py; CUDA only)
-    compile_layers: bool = False  # torch.compile over each decoder layer (compiled_layers.py)
 
     @classmethod
     def for_device(cls, device: torch.device) -> "TrainOptions":
@@ -82,8 +80,7 @@ def forward_request(base: LoadedBase, adapter: str, request: ForwardRequest, bac
     passes = []
     layers = list(getattr(decoder, "layers", []))
     with (torch.set_grad_enabled(backward), packed(causal.config), lean_lora(),
-          fused_kernels(causal, options.fused_kernels), compiled_layers(layers, options.compile_layers),
-          _committed_on_success(params, backward)):
+          fused_kernels(causal, options.fused_kernels), _committed_on_success(params, backward)):
         for batch in micro_batches(flat, options.micro_batch_tokens, base.device):
             count = _checkpoint_count(decoder, causal.config, batch, options) if backward else 0
             with checkpointed(layers, count):
