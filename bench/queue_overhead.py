@@ -20,7 +20,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from redis import Redis
-from rq import Queue, SimpleWorker
+from rq import Queue
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -236,7 +236,7 @@ def test_call_module_get_attr_and_unknown_ops_are_refused(op, target):
 
 @pytest.mark.parametrize("name", ["__class__", "__globals__", "__dict__", "grad_fn", "data", "_base"])
 def test_getattr_of_other_attributes_is_refused(name):
-    refused(forged(target="getattr", args=[{"ref": "logprobs"}, name]), rf"node 'evil'.*getattr may only read")
+    refused(forged(target="getattr", args=[{"ref": "logprobs"}, name]), r"node 'evil'.*getattr may only read")
 
 
 def test_getattr_needs_a_literal_name():

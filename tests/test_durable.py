@@ -1,7 +1,6 @@
 """A dead worker loses nothing: each model's training journal (worker/journal.py) rebuilds it on any worker
 (worker/restore.py), and a standby that takes a shard carries the run on where the dead owner left it."""
 
-import json
 import random
 import signal
 import tempfile

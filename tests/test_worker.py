@@ -23,7 +23,6 @@ from schemas import (
     WeightSyncRequest,
 )
 from tinkerq import keys
-from tinkerq.config import QueueConfig
 
 M = "sess:train:0"
 
