@@ -20,6 +20,7 @@ from schemas.requests import (
     SaveStateRequest,
     WeightSyncRequest,
     parse_request,
+    seq_id_of,
 )
 from schemas.results import (
     CheckpointRecord,
@@ -44,7 +45,7 @@ __all__ = [
     "ID_PATTERN", "MODEL_ID_PATTERN", "new_request_id", "LimitExceeded", "Limits",
     "AdamParams", "CreateCustomLossRequest", "CreateModelRequest", "CustomLoss", "DeleteCheckpointRequest", "Datum", "ForwardBackwardRequest", "ForwardRequest",
     "LoadStateRequest", "LoraConfig", "OptimStepRequest", "Request", "SampleRequest",
-    "SamplingParams", "SaveStateRequest", "WeightSyncRequest", "parse_request",
+    "SamplingParams", "SaveStateRequest", "WeightSyncRequest", "parse_request", "seq_id_of",
     "CheckpointRecord", "CreateCustomLossOutput", "DeleteCheckpointOutput", "CreateModelOutput", "ErrorResponse", "ForwardBackwardOutput", "GeneratedSequence",
     "LoadStateOutput", "OptimStepOutput", "RecordedSequence", "Result", "SampleOutput", "SaveStateOutput",
     "TopkLogprobs", "WeightSyncOutput", "parse_result",

@@ -9,7 +9,8 @@ from pydantic import StringConstraints
 # RQ job ids allow only [A-Za-z0-9_-]; the request id *is* the job id.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
 # Tinker model ids look like "<session>:train:<n>"; ':' and '.' are allowed, braces and spaces never.
-MODEL_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
+MODEL_ID = r"[A-Za-z0-9_.:-]{1,128}"
+MODEL_ID_PATTERN = rf"^{MODEL_ID}$"
 
 # A checkpoint's name (save_state, a named weight sync): a file name under the model's checkpoint directory.
 CHECKPOINT_NAME = r"[A-Za-z0-9_.-]{1,128}"
