@@ -54,6 +54,15 @@ def burst_worker(connection: Redis, config: QueueConfig, tmp_path: Path, **runti
     return WorkerProcess(connection, rt, config)
 
 
+def wait_until(predicate, timeout: float = 15.0, what: str = "condition") -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def log_dir(env: dict[str, str]) -> Path:
     return Path(env.get("TINKERQ_CHECKPOINT_ROOT", "/tmp"))
 
