@@ -33,7 +33,7 @@ from tinkerq.config import RuntimeConfig
 from worker.runtime.base import Admit, Done, DomainError, Engine, Keyed, check_fits, in_order, servable
 from worker.torch_runtime.base_models import base_path, resolve_device, resolve_dtype
 from worker.torch_runtime.lora_io import LoraWeights, save_adapter
-from worker.vllm_runtime import inplace, inplace_merged, merge, requests as translate
+from worker.vllm_runtime import inplace, inplace_merged, merge, translate
 
 
 def configure_environment(config: RuntimeConfig) -> None:
