@@ -2,7 +2,6 @@
 
 import hashlib
 import json
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -21,14 +20,13 @@ from schemas import (
     Result,
     SampleRequest,
     WeightSyncRequest,
+    is_request_id,
     new_request_id,
     seq_id_of,
 )
 from tinkerq import keys, queues
 from tinkerq.config import LimitsConfig, QueueConfig
 from tinkerq.jobs import JOB_OF_KIND
-
-_ID_RE = re.compile(ID_PATTERN)
 
 
 # KEYS: request record, seq claim (or the record again), queue, model version counter.
@@ -139,7 +137,7 @@ class Producer:
         except LimitExceeded as exc:
             raise Rejected.of(400, "limit_exceeded", str(exc)) from exc
         rid = new_request_id(request.kind[:2]) if request_id is None else request_id
-        if not _ID_RE.match(rid):
+        if not is_request_id(rid):
             raise Rejected.of(400, "invalid_request_id", f"request id {rid!r} must match {ID_PATTERN}")
         return _Item(request, rid, digest(request), self.shard_of(request.model_id), keys.request_key(rid),
                      self._claim_key(request, rid), keys.wver_key(request.model_id))

@@ -1,6 +1,6 @@
 """Pure data types shared by producers and workers. No I/O lives here."""
 
-from schemas.ids import ID_PATTERN, MODEL_ID_PATTERN, new_request_id
+from schemas.ids import ID_PATTERN, MODEL_ID_PATTERN, is_request_id, new_request_id
 from schemas.limits import LimitExceeded, Limits
 from schemas.requests import (
     AdamParams,
@@ -42,7 +42,7 @@ from schemas.results import (
 )
 
 __all__ = [
-    "ID_PATTERN", "MODEL_ID_PATTERN", "new_request_id", "LimitExceeded", "Limits",
+    "ID_PATTERN", "MODEL_ID_PATTERN", "is_request_id", "new_request_id", "LimitExceeded", "Limits",
     "AdamParams", "CreateCustomLossRequest", "CreateModelRequest", "CustomLoss", "DeleteCheckpointRequest", "Datum", "ForwardBackwardRequest", "ForwardRequest",
     "LoadStateRequest", "LoraConfig", "OptimStepRequest", "Request", "SampleRequest",
     "SamplingParams", "SaveStateRequest", "WeightSyncRequest", "parse_request", "seq_id_of",
