@@ -289,8 +289,7 @@ def run_model(name: str, args) -> dict:
 
 
 def profile(trainer, request, zero) -> None:
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
+    from torch.profiler import ProfilerActivity, profile as torch_profile
 
     zero()
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -28,7 +28,6 @@ from tinkerq import keys, queues
 from tinkerq.config import LimitsConfig, QueueConfig
 from tinkerq.jobs import JOB_OF_KIND
 
-
 # KEYS: request record, seq claim (or the record again), queue, model version counter.
 # ARGV: request id, request record key prefix.
 # Returns the id first submitted under this request id / (model, seq_id), its digest and version

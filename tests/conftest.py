@@ -10,9 +10,9 @@ import fakeredis
 import pytest
 from redis import Redis
 
-from tinkerq.config import QueueConfig, RuntimeConfig
 from commands.processes import TinkerqProc
 from commands.redis_server import EmbeddedRedis
+from tinkerq.config import QueueConfig, RuntimeConfig
 from worker.main import WorkerProcess
 from worker.runtimes import build_runtime
 

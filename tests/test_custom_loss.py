@@ -14,8 +14,15 @@ from tinker._compat import model_dump
 from tinker.lib.public_interfaces.custom_loss import encode_graph, run_loss_handle, trace_loss
 from torch.fx.node import _get_qualified_name
 
-from schemas import CreateCustomLossRequest, CreateModelRequest, CustomLoss, Datum, ErrorResponse, \
-    ForwardBackwardRequest, LoraConfig
+from schemas import (
+    CreateCustomLossRequest,
+    CreateModelRequest,
+    CustomLoss,
+    Datum,
+    ErrorResponse,
+    ForwardBackwardRequest,
+    LoraConfig,
+)
 from schemas.ids import losses_model_id
 from tinkerq.config import RuntimeConfig
 from worker.runtime import DomainError

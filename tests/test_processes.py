@@ -9,16 +9,15 @@ import urllib.request
 import uuid
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from redis import Redis
 
+from commands.redis_server import free_port
 from conftest import wait_until
 from producer import Producer
 from schemas import CreateModelRequest, ErrorResponse, SampleOutput, SampleRequest, WeightSyncRequest
 from tinkerq import keys
 from tinkerq.config import QueueConfig
-from commands.redis_server import free_port
 from worker.fencing import Fence, FencedOut
 
 pytestmark = pytest.mark.slow

@@ -30,7 +30,7 @@ import torch
 from schemas import CreateModelRequest, ErrorResponse, SampleOutput, SampleRequest
 from tinkerq.catalog import BaseModelCatalog
 from tinkerq.config import RuntimeConfig
-from worker.runtime.base import Admit, Done, DomainError, Engine, Keyed, check_fits, in_order, servable
+from worker.runtime.base import Admit, DomainError, Done, Engine, Keyed, check_fits, in_order, servable
 from worker.torch_runtime.base_models import base_path, resolve_device, resolve_dtype
 from worker.torch_runtime.lora_io import LoraWeights, save_adapter
 from worker.vllm_runtime import inplace, inplace_merged, merge, translate
