@@ -38,6 +38,7 @@ browser:
 	  { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium >/dev/null; }; }
 
 test: install browser
+	$(VENV)/bin/ruff check
 	TINKERQ_REQUIRE_VLLM=$(if $(VLLM_EXTRA),1,0) scripts/with-redis.sh $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 demo: install

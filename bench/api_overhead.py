@@ -47,11 +47,11 @@ from tqdm import tqdm  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from commands.redis_server import EmbeddedRedis, free_port  # noqa: E402
 from producer import Producer  # noqa: E402
 from schemas import SampleRequest, SamplingParams  # noqa: E402
 from tinkerq import keys  # noqa: E402
 from tinkerq.config import QueueConfig  # noqa: E402
-from commands.redis_server import EmbeddedRedis, free_port  # noqa: E402
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 PROTO_TYPE = "application/x-protobuf"

@@ -26,6 +26,7 @@ from redis import Redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from commands.redis_server import EmbeddedRedis  # noqa: E402
 from producer import Producer  # noqa: E402
 from schemas import (  # noqa: E402
     AdamParams,
@@ -36,7 +37,6 @@ from schemas import (  # noqa: E402
     OptimStepRequest,
 )
 from tinkerq.config import QueueConfig, RuntimeConfig  # noqa: E402
-from commands.redis_server import EmbeddedRedis  # noqa: E402
 from worker.journal import Journal  # noqa: E402
 from worker.main import WorkerProcess  # noqa: E402
 from worker.restore import Restorer  # noqa: E402

@@ -9,7 +9,7 @@ Two parts, one after the other, so that each has the GPU to itself:
    reliably inside a process, and the worker sizes its own share from what is free): the torch runtime built in
    process from the worker's own settings, a model created, trained one step and synced (its adapter live in vLLM),
    then vLLM's own `LLM.generate` on the same prompts, with the vLLM SamplingParams our engine builds for them
-   (`worker/vllm_runtime/requests.sampling_params`: same seeds, temperature, logprobs, ignore_eos) and the same
+   (`worker/vllm_runtime/translate.sampling_params`: same seeds, temperature, logprobs, ignore_eos) and the same
    adapter; and our engine's `Runtime.sample` in process for reference. Median of --raw-rounds after a warm-up.
 2. **The queue**: Redis (REDIS_URL, or one embedded), a `tinkerq worker` process with those settings, a Producer
    here. Each step: sample (`submit_many` of P requests, each pinned by the producer to the latest version, until
@@ -133,7 +133,7 @@ def baseline(args) -> dict:
 
     from tinkerq.config import RuntimeConfig
     from worker.runtimes import build_runtime
-    from worker.vllm_runtime import requests as translate
+    from worker.vllm_runtime import translate
 
     tmp = Path(tempfile.mkdtemp(prefix="tinkerq-rl-baseline-"))
     rt = build_runtime(RuntimeConfig(checkpoint_root=str(tmp), **settings(args)))

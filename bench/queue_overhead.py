@@ -20,16 +20,16 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from redis import Redis
-from rq import Queue, SimpleWorker
+from rq import Queue
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from commands.redis_server import EmbeddedRedis  # noqa: E402
 from producer import Producer  # noqa: E402
 from schemas import CreateModelRequest, SampleRequest, SamplingParams  # noqa: E402
 from tinkerq.config import QueueConfig  # noqa: E402
-from commands.redis_server import EmbeddedRedis  # noqa: E402
 
 BARE_QUEUE = "bench.bare"
 

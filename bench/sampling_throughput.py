@@ -30,6 +30,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from commands.redis_server import EmbeddedRedis  # noqa: E402
 from producer import Producer  # noqa: E402
 from schemas import (  # noqa: E402
     AdamParams,
@@ -43,7 +44,6 @@ from schemas import (  # noqa: E402
     WeightSyncRequest,
 )
 from tinkerq.config import QueueConfig, RuntimeConfig  # noqa: E402
-from commands.redis_server import EmbeddedRedis  # noqa: E402
 from worker.runtimes import build_runtime  # noqa: E402
 
 MODEL = "bench:train:0"

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from redis import Redis
 
+from commands.processes import TinkerqProc
+from commands.redis_server import EmbeddedRedis
 from producer import Producer
 from schemas import (
     CreateModelRequest,
@@ -19,8 +21,6 @@ from schemas import (
     WeightSyncRequest,
 )
 from tinkerq.config import QueueConfig
-from commands.processes import TinkerqProc
-from commands.redis_server import EmbeddedRedis
 
 
 def start_worker(redis_url: str, runtime: str, workdir: Path) -> TinkerqProc:

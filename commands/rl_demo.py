@@ -15,6 +15,7 @@ from pathlib import Path
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+from commands.demo import wait_ok
 from producer import Producer
 from schemas import (
     AdamParams,
@@ -28,7 +29,6 @@ from schemas import (
     SamplingParams,
     WeightSyncRequest,
 )
-from commands.demo import wait_ok
 from tinkerq.local_models import corpus, resolve
 
 PROMPTS, GROUP, MAX_TOKENS = 8, 8, 12

@@ -2,7 +2,6 @@
 
 import hashlib
 import json
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -21,14 +20,13 @@ from schemas import (
     Result,
     SampleRequest,
     WeightSyncRequest,
+    is_request_id,
     new_request_id,
+    seq_id_of,
 )
 from tinkerq import keys, queues
 from tinkerq.config import LimitsConfig, QueueConfig
 from tinkerq.jobs import JOB_OF_KIND
-
-_ID_RE = re.compile(ID_PATTERN)
-
 
 # KEYS: request record, seq claim (or the record again), queue, model version counter.
 # ARGV: request id, request record key prefix.
@@ -74,11 +72,6 @@ class _Batch:
     latest: dict[str, int] = field(default_factory=dict)  # model -> weights version after this batch
     added: dict[int, int] = field(default_factory=dict)  # shard -> jobs this batch adds
     fresh: list[tuple[Request, Ticket, str]] = field(default_factory=list)
-
-
-def _seq_id(request: Request) -> int | None:
-    """A sequenced op's seq_id; None for an op that runs in queue order, and for samples (they carry none)."""
-    return getattr(request, "seq_id", None)
 
 
 def digest(request: BaseModel) -> str:
@@ -143,7 +136,7 @@ class Producer:
         except LimitExceeded as exc:
             raise Rejected.of(400, "limit_exceeded", str(exc)) from exc
         rid = new_request_id(request.kind[:2]) if request_id is None else request_id
-        if not _ID_RE.match(rid):
+        if not is_request_id(rid):
             raise Rejected.of(400, "invalid_request_id", f"request id {rid!r} must match {ID_PATTERN}")
         return _Item(request, rid, digest(request), self.shard_of(request.model_id), keys.request_key(rid),
                      self._claim_key(request, rid), keys.wver_key(request.model_id))
@@ -151,7 +144,7 @@ class Producer:
     @staticmethod
     def _claim_key(request: Request, rid: str) -> str:
         """What makes a submission unique: (model_id, seq_id) for sequenced ops, else the request id."""
-        seq_id = _seq_id(request)
+        seq_id = seq_id_of(request)
         return keys.seq_key(request.model_id, seq_id) if seq_id is not None else keys.request_key(rid)
 
     def _read_states(self, items: list[_Item]) -> list[list]:
@@ -238,7 +231,7 @@ class Producer:
     def _duplicate(item: _Item, first_rid: str, first_digest: str | None, first_version: int | None) -> Ticket:
         if first_digest is not None and first_digest != item.digest:
             request = item.request
-            seq_id = _seq_id(request)
+            seq_id = seq_id_of(request)
             where = f"(model_id={request.model_id}, seq_id={seq_id})" if first_rid != item.rid else \
                 f"request id {item.rid}"
             raise Rejected.of(409, "idempotency_conflict", f"{where} was already used with a different body")
@@ -269,7 +262,7 @@ class Producer:
             record["version"] = ticket.version
         if isinstance(request, WeightSyncRequest):
             pipe.set(keys.wver_key(request.model_id), ticket.version)
-        seq_id = _seq_id(request)
+        seq_id = seq_id_of(request)
         if seq_id is not None:
             pipe.set(keys.seq_key(request.model_id, seq_id), rid, ex=self.config.request_ttl_s)
         pipe.hset(keys.request_key(rid), mapping=record)

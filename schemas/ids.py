@@ -1,6 +1,7 @@
 """Identifier rules. Ids end up in Redis keys, RQ job ids and HTTP headers, so they are strict."""
 
 import hashlib
+import re
 import secrets
 from typing import Annotated
 
@@ -9,7 +10,8 @@ from pydantic import StringConstraints
 # RQ job ids allow only [A-Za-z0-9_-]; the request id *is* the job id.
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
 # Tinker model ids look like "<session>:train:<n>"; ':' and '.' are allowed, braces and spaces never.
-MODEL_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
+MODEL_ID = r"[A-Za-z0-9_.:-]{1,128}"
+MODEL_ID_PATTERN = rf"^{MODEL_ID}$"
 
 # A checkpoint's name (save_state, a named weight sync): a file name under the model's checkpoint directory.
 CHECKPOINT_NAME = r"[A-Za-z0-9_.-]{1,128}"
@@ -19,7 +21,13 @@ CHECKPOINT_NAME_PATTERN = rf"^{CHECKPOINT_NAME}$"
 SEQUENCE_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,200}:[0-9]{1,12}:[0-9]{1,6}$"
 
 RequestId = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
+_ID_RE = re.compile(ID_PATTERN)
 ModelId = Annotated[str, StringConstraints(pattern=MODEL_ID_PATTERN)]
+
+
+def is_request_id(text: str) -> bool:
+    """Whether `text` is an id a producer makes (the request id is the RQ job id)."""
+    return _ID_RE.match(text) is not None
 
 
 def new_request_id(prefix: str = "r") -> str:

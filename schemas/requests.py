@@ -251,3 +251,8 @@ _REQUEST_ADAPTER: TypeAdapter[Request] = TypeAdapter(Request)
 def parse_request(payload: Any) -> Request:
     """Validate a JSON-decoded payload into its request type (raises pydantic.ValidationError)."""
     return _REQUEST_ADAPTER.validate_python(payload)
+
+
+def seq_id_of(request: Request) -> int | None:
+    """A sequenced op's seq_id; None for an op that runs in queue order, and for samples (they carry none)."""
+    return getattr(request, "seq_id", None)

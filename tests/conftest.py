@@ -10,9 +10,9 @@ import fakeredis
 import pytest
 from redis import Redis
 
-from tinkerq.config import QueueConfig, RuntimeConfig
 from commands.processes import TinkerqProc
 from commands.redis_server import EmbeddedRedis
+from tinkerq.config import QueueConfig, RuntimeConfig
 from worker.main import WorkerProcess
 from worker.runtimes import build_runtime
 
@@ -52,6 +52,15 @@ def burst_worker(connection: Redis, config: QueueConfig, tmp_path: Path, **runti
     runtime.setdefault("runtime", "reference")
     rt = build_runtime(RuntimeConfig(checkpoint_root=str(tmp_path / "ckpt"), **runtime))
     return WorkerProcess(connection, rt, config)
+
+
+def wait_until(predicate, timeout: float = 15.0, what: str = "condition") -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 def log_dir(env: dict[str, str]) -> Path:

@@ -66,9 +66,8 @@ def boxed_guesser(source: Path, out: Path, steps: int = 60, seed: int = 0) -> Pa
     """`source` (a random-weight tiny model) fine-tuned to answer rl_loop's prompts as `\\boxed{d}` with a random
     digit d: the base a recipe's RL assumes, one that knows the answer format, here with no knowledge of sums."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from tinker_cookbook import renderers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
     rng = random.Random(seed)

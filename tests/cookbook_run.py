@@ -16,7 +16,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 import chz  # noqa: E402
-
 from tinker_cookbook.tokenizer_utils import register_tokenizer  # noqa: E402
 
 

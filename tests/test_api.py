@@ -7,9 +7,8 @@ import time
 import numpy as np
 import pytest
 import zstandard
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings, strategies as st
 from tinker.proto import tinker_public_pb2 as pb
 
 from conftest import burst_worker

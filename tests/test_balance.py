@@ -6,9 +6,10 @@ import threading
 import time
 from collections import Counter
 
+from conftest import wait_until
 from producer import Producer
 from schemas import ErrorResponse, SampleOutput, SampleRequest, SamplingParams
-from test_durable import answered, training, wait_until
+from test_durable import answered, training
 from tinkerq import keys
 from worker.membership import fair_share
 

@@ -14,8 +14,15 @@ from tinker._compat import model_dump
 from tinker.lib.public_interfaces.custom_loss import encode_graph, run_loss_handle, trace_loss
 from torch.fx.node import _get_qualified_name
 
-from schemas import CreateCustomLossRequest, CreateModelRequest, CustomLoss, Datum, ErrorResponse, \
-    ForwardBackwardRequest, LoraConfig
+from schemas import (
+    CreateCustomLossRequest,
+    CreateModelRequest,
+    CustomLoss,
+    Datum,
+    ErrorResponse,
+    ForwardBackwardRequest,
+    LoraConfig,
+)
 from schemas.ids import losses_model_id
 from tinkerq.config import RuntimeConfig
 from worker.runtime import DomainError
@@ -236,7 +243,7 @@ def test_call_module_get_attr_and_unknown_ops_are_refused(op, target):
 
 @pytest.mark.parametrize("name", ["__class__", "__globals__", "__dict__", "grad_fn", "data", "_base"])
 def test_getattr_of_other_attributes_is_refused(name):
-    refused(forged(target="getattr", args=[{"ref": "logprobs"}, name]), rf"node 'evil'.*getattr may only read")
+    refused(forged(target="getattr", args=[{"ref": "logprobs"}, name]), r"node 'evil'.*getattr may only read")
 
 
 def test_getattr_needs_a_literal_name():

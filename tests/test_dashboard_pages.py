@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from commands.redis_server import free_port
 from producer import Producer
 from schemas import CreateModelRequest, SampleRequest
 from tinkerq import keys
-from commands.redis_server import free_port
 
 pytestmark = pytest.mark.slow
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "dashboard"

@@ -6,10 +6,10 @@ import subprocess
 import sys
 import time
 
-from conftest import ROOT
+from conftest import ROOT, wait_until
 from producer import Producer
 from schemas import ErrorResponse, SampleRequest, SamplingParams
-from test_durable import answered, owns_all, training, wait_until
+from test_durable import answered, owns_all, training
 from tinkerq import keys
 from worker.journal import Journal
 

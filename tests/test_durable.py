@@ -1,7 +1,6 @@
 """A dead worker loses nothing: each model's training journal (worker/journal.py) rebuilds it on any worker
 (worker/restore.py), and a standby that takes a shard carries the run on where the dead owner left it."""
 
-import json
 import random
 import signal
 import tempfile
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import burst_worker
+from conftest import burst_worker, wait_until
 from producer import Producer
 from schemas import (
     AdamParams,
@@ -237,15 +236,6 @@ def test_an_evicted_persisted_snapshot_is_read_back_from_its_archive(r, config, 
 
 
 # -- worker processes -----------------------------------------------------------------------------------------
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def owns_all(r, config) -> bool:

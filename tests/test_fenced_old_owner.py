@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from redis import Redis
 
-from conftest import WorkerProc
+from conftest import WorkerProc, wait_until
 from producer import Producer
 from redis_proc import RedisProc
 from schemas import Datum, ErrorResponse, ForwardBackwardRequest
@@ -119,13 +119,6 @@ def leases(r: Redis) -> dict[int, bytes | None]:
     return {shard: r.get(keys.lease_key(shard)) for shard in range(CONFIG.num_shards)}
 
 
-def wait_for(predicate, timeout_s: float, what: str) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def start_standby(url: str, tmp_path: Path, **env: str) -> WorkerProc:
     """A second worker over every shard, busy as the old owner is (~30 ms an engine run); seq gaps of 120 s."""
     return WorkerProc(url, {
@@ -166,15 +159,15 @@ def test_a_paused_and_resumed_old_owner_writes_nothing_and_stops_cleanly(server,
         model = MODELS[0]
         datum = Datum(model_input=[1, 2, 3])
         early = producer.submit(ForwardBackwardRequest(model_id=model, seq_id=2, data=[datum]))  # seq 1 not yet
-        wait_for(lambda: r.zscore(keys.held_key(model), early.request_id) is not None, 30, "the early op parked")
+        wait_until(lambda: r.zscore(keys.held_key(model), early.request_id) is not None, 30, "the early op parked")
         monitor.start()
         load = Load(server.url, 240, pace_s=0.02)
         load.start()
-        wait_for(lambda: len(load.acked) >= 40, 30, "the stream to start")
+        wait_until(lambda: len(load.acked) >= 40, 30, "the stream to start")
         before = leases(r)
         old.proc.send_signal(signal.SIGSTOP)
         standby = start_standby(server.url, tmp_path)
-        wait_for(lambda: takes_over(r, before), 30, "the standby to take every shard")
+        wait_until(lambda: takes_over(r, before), 30, "the standby to take every shard")
         time.sleep(2.0)  # the standby works
         addresses = watch_addresses(r, old.proc.pid)
         woke = time.time()
@@ -224,7 +217,7 @@ def test_a_woken_old_owner_takes_no_parked_op_that_fell_due_while_it_slept(serve
                            for model in MODELS[:2])  # seq 1 of neither is ever queued
         parked = {ready.request_id: MODELS[0], expiring.request_id: MODELS[1]}
         for rid, model in parked.items():
-            wait_for(lambda: r.zscore(keys.held_key(model), rid) is not None, 30, f"{rid} to park")
+            wait_until(lambda: r.zscore(keys.held_key(model), rid) is not None, 30, f"{rid} to park")
         deadlines, member = keys.held_deadlines_key(expiring.shard), f"{expiring.request_id}|{MODELS[1]}"
         deadline = r.zscore(deadlines, member)
         before = leases(r)
@@ -232,7 +225,7 @@ def test_a_woken_old_owner_takes_no_parked_op_that_fell_due_while_it_slept(serve
         # The successor pauses too, before the deadline (its 30 s lease outlives the pause): the ops fall due while
         # no owner is at work, and the old owner wakes first.
         standby = start_standby(server.url, tmp_path, TINKERQ_LEASE_TTL_MS="30000")
-        wait_for(lambda: takes_over(r, before), 30, "the standby to take every shard")
+        wait_until(lambda: takes_over(r, before), 30, "the standby to take every shard")
         standby.proc.send_signal(signal.SIGSTOP)
         assert time.time() < deadline - 0.5, "the standby was paused after the deadline: the test ran too slowly"
         r.sadd(keys.refused_seqs_key(MODELS[0]), 1)  # as the API records seq 1 refused at submit: seq 2's turn

@@ -9,28 +9,19 @@ import urllib.request
 import uuid
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from redis import Redis
 
+from commands.redis_server import free_port
+from conftest import wait_until
 from producer import Producer
 from schemas import CreateModelRequest, ErrorResponse, SampleOutput, SampleRequest, WeightSyncRequest
 from tinkerq import keys
 from tinkerq.config import QueueConfig
-from commands.redis_server import free_port
 from worker.fencing import Fence, FencedOut
 
 pytestmark = pytest.mark.slow
 FORK = multiprocessing.get_context("fork")
-
-
-def wait_until(predicate, timeout=15.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def owned_shards(r, config):

@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-from redis import Redis
-
 import ray  # the `ray` extra is part of `make test`: a missing one fails here, never skips
 import torch
+from redis import Redis
 
+from commands.redis_server import free_port
 from conftest import WorkerProc, burst_worker
 from producer import Producer
 from schemas import (
@@ -36,7 +36,6 @@ from schemas import (
     WeightSyncRequest,
 )
 from tinkerq.config import QueueConfig
-from commands.redis_server import free_port
 from worker.ray_runtime import cluster
 
 pytestmark = pytest.mark.slow

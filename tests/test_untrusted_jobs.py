@@ -11,8 +11,7 @@ import zlib
 
 import pytest
 from fastapi.testclient import TestClient
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 from pydantic import ValidationError
 from rq.job import Job, JobStatus
 from tinker.proto import tinker_public_pb2 as pb
@@ -20,8 +19,8 @@ from tinker.proto import tinker_public_pb2 as pb
 from conftest import burst_worker
 from producer import Producer
 from schemas import (
-    CreateModelRequest,
     ID_PATTERN,
+    CreateModelRequest,
     Datum,
     ForwardBackwardRequest,
     ForwardRequest,

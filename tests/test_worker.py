@@ -23,7 +23,6 @@ from schemas import (
     WeightSyncRequest,
 )
 from tinkerq import keys
-from tinkerq.config import QueueConfig
 
 M = "sess:train:0"
 
@@ -330,7 +329,6 @@ def test_a_job_that_raises_or_times_out_still_gets_exactly_one_result(r, produce
 
 def test_a_training_op_that_raises_gets_its_error_and_later_ops_still_run(r, producer, config, tmp_path):
     import faulty_runtime
-
     from schemas import AdamParams
 
     create(producer)

@@ -2,9 +2,9 @@
 
 import re
 
-from schemas.ids import CHECKPOINT_NAME
+from schemas.ids import CHECKPOINT_NAME, MODEL_ID
 
-TINKER_URI = re.compile(r"^tinker://(?P<model>[A-Za-z0-9_.:-]{1,128})/(?P<kind>weights|sampler_weights)/"
+TINKER_URI = re.compile(rf"^tinker://(?P<model>{MODEL_ID})/(?P<kind>weights|sampler_weights)/"
                         rf"(?P<name>{CHECKPOINT_NAME})$")
 
 

@@ -16,18 +16,15 @@ A job refused for its envelope is RQ FAILED with `invalid_job`; one refused for 
 ErrorResponse on the shard of the queue it came from, which this worker owns.
 """
 
-import re
 from dataclasses import dataclass
 
 from pydantic import ValidationError
 from rq.job import Job
 
-from schemas import ID_PATTERN, ErrorResponse, LimitExceeded, Limits, Request, parse_request
+from schemas import ErrorResponse, LimitExceeded, Limits, Request, is_request_id, parse_request
 from tinkerq import keys
 from tinkerq.config import QueueConfig
 from tinkerq.jobs import JOB_NAMES
-
-_ID_RE = re.compile(ID_PATTERN)
 
 
 @dataclass(frozen=True)
@@ -55,7 +52,7 @@ def job_id(raw: bytes | str) -> str | None:
         text = raw.decode() if isinstance(raw, bytes) else raw
     except UnicodeDecodeError:
         return None
-    return text if _ID_RE.match(text) else None
+    return text if is_request_id(text) else None
 
 
 class Admission:

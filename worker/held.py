@@ -13,7 +13,7 @@ import time
 
 from redis import Redis
 
-from schemas import ErrorResponse, Request
+from schemas import ErrorResponse, Request, seq_id_of
 from tinkerq import keys
 from worker.admission import Admission, Admitted, Refused, Verdict, job_id
 from worker.fencing import Fence
@@ -89,8 +89,8 @@ class HeldOps:
         verdict = self.admission.judge_payload(rid, shard, data)
         if isinstance(verdict, Admitted):
             request = verdict.request
-            if request.model_id != model_id or getattr(request, "seq_id", None) != seq_id:
-                return _refused(rid, shard, f"the parked op is seq_id {getattr(request, 'seq_id', None)} of model "
+            if request.model_id != model_id or seq_id_of(request) != seq_id:
+                return _refused(rid, shard, f"the parked op is seq_id {seq_id_of(request)} of model "
                                 f"{request.model_id!r}, but it was parked as seq_id {seq_id:g} of model {model_id!r}")
         return verdict
 

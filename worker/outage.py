@@ -11,8 +11,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from redis import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
 log = logging.getLogger(__name__)
 

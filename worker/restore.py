@@ -13,7 +13,7 @@ import logging
 
 from redis import Redis
 
-from schemas import ErrorResponse, Request, Result
+from schemas import ErrorResponse
 from tinkerq import keys
 from worker.journal import CorruptJournal, Journal
 from worker.runtime import DomainError, Runtime

@@ -42,9 +42,9 @@ from rq.job import Job
 from rq.utils import now
 from rq.worker import WorkerStatus
 
+from tinkerq.jobs import JOB_NAMES
 from tinkerq.keys import shard_of_queue
 from worker import admission
-from tinkerq.jobs import JOB_NAMES
 from worker.admission import Refused, Verdict
 from worker.claim import Claimer, shard_of_key
 from worker.fencing import FencedOut, FencedRedis

@@ -10,15 +10,15 @@ from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
 
 from producer.api import handlers
-from producer.api.deps import Deps
 from producer.api.body_limit import BodySizeLimit
+from producer.api.deps import Deps
+from producer.api.long_poll import AsyncResultWaiter
 from producer.api.metrics import Metrics, ObserveLatency
 from producer.api.routes import ROUTERS
 from producer.api.settings import ApiSettings
 from producer.api.state import ApiState
 from producer.api.stop_signal import on_stop_signal
 from producer.api.submitter import GroupSubmitter
-from producer.api.long_poll import AsyncResultWaiter
 from producer.enqueue import Producer
 from tinkerq.catalog import BaseModelCatalog
 from tinkerq.config import QueueConfig

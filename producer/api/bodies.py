@@ -10,8 +10,8 @@ from producer.api.http_errors import ApiError
 from schemas import (
     AdamParams,
     CreateCustomLossRequest,
-    CustomLoss,
     CreateModelRequest,
+    CustomLoss,
     LoadStateRequest,
     LoraConfig,
     OptimStepRequest,

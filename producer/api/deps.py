@@ -9,15 +9,14 @@ from fastapi import Depends, Request
 from pydantic import ValidationError
 
 from producer.api.http_errors import ApiError
-from producer.errors import Rejected
+from producer.api.long_poll import AsyncResultWaiter
 from producer.api.metrics import Metrics
 from producer.api.settings import ApiSettings
 from producer.api.state import ApiState
 from producer.api.submitter import GroupSubmitter
-from producer.api.long_poll import AsyncResultWaiter
 from producer.enqueue import Producer, Ticket
-from schemas import CustomLoss
-from schemas import Request as QueueRequest
+from producer.errors import Rejected
+from schemas import CustomLoss, Request as QueueRequest
 from tinkerq.catalog import BaseModelCatalog
 
 

@@ -3,10 +3,9 @@
 import time
 from collections.abc import Callable
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
 class QueueDepthCollector:

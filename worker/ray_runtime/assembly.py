@@ -18,11 +18,6 @@ from worker.runtime.runtime import Runtime
 log = logging.getLogger(__name__)
 
 
-def wanted(config: RuntimeConfig) -> bool:
-    """A Ray worker was asked for: a number of devices, or a cluster to join."""
-    return config.ray_gpus > 0 or bool(config.ray_address)
-
-
 def make_runtime(config: RuntimeConfig) -> Runtime:
     bundles = max(config.ray_gpus, 1)
     engines = config.ray_engine_replicas or bundles

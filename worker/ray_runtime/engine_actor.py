@@ -25,8 +25,8 @@ _END = object()
 
 class EngineReplica:
     def __init__(self, config: RuntimeConfig) -> None:
-        from worker.torch_runtime.base_models import BaseModels
         from worker.torch_runtime.assembly import make_engine, set_threads
+        from worker.torch_runtime.base_models import BaseModels
 
         set_threads(config)
         self.engine = make_engine(config, BaseModels(config.device, config.dtype))

@@ -25,8 +25,8 @@ def free_address() -> tuple[str, int]:
 
 class TrainerRank:
     def __init__(self, config: RuntimeConfig, rank: int, world: int) -> None:
-        from worker.torch_runtime.base_models import BaseModels
         from worker.torch_runtime.assembly import make_trainer, set_threads
+        from worker.torch_runtime.base_models import BaseModels
 
         set_threads(config)
         self.rank, self.world = rank, world

@@ -9,8 +9,8 @@ from pydantic import BaseModel
 
 from schemas import (
     CreateModelOutput,
-    CustomLoss,
     CreateModelRequest,
+    CustomLoss,
     ErrorResponse,
     ForwardBackwardOutput,
     ForwardRequest,

@@ -20,8 +20,18 @@ from schemas import (
     WeightSyncRequest,
 )
 from worker.runtime import paths
-from worker.runtime.base import Admit, Done, DomainError, DurableCheckpoint, Engine, Keyed, Trainer, in_order, \
-    servable, unknown_model
+from worker.runtime.base import (
+    Admit,
+    DomainError,
+    Done,
+    DurableCheckpoint,
+    Engine,
+    Keyed,
+    Trainer,
+    in_order,
+    servable,
+    unknown_model,
+)
 
 
 class Runtime:

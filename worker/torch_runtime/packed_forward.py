@@ -21,13 +21,11 @@ from worker.runtime.base import DomainError
 from worker.torch_runtime import losses
 from worker.torch_runtime.activation_checkpointing import checkpointed, layer_bytes_per_token, layers_to_checkpoint
 from worker.torch_runtime.base_models import LoadedBase
-from worker.torch_runtime.fused_kernels import available as fused_kernels_available
-from worker.torch_runtime.fused_kernels import fused_kernels
+from worker.torch_runtime.fused_kernels import available as fused_kernels_available, fused_kernels
 from worker.torch_runtime.lora_compute import lean_lora
 from worker.torch_runtime.packed_attention import packed
 from worker.torch_runtime.packing import Flat, MicroBatch, flatten, micro_batches
 from worker.torch_runtime.unembedding import Head, chunk_tokens, head_of, target_logprobs
-
 
 # The loss of datum i from its target logprobs and inputs: per token (a built-in loss), or 0-dim (a custom one).
 DatumLoss = Callable[[int, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]

@@ -20,17 +20,24 @@ from schemas import (
     ForwardRequest,
     LoadStateOutput,
     LoadStateRequest,
+    LoraConfig as LoraSpec,
     OptimStepOutput,
     OptimStepRequest,
 )
-from schemas import LoraConfig as LoraSpec
 from worker.runtime import paths
 from worker.runtime.base import DomainError, Trainer
 from worker.torch_runtime import custom_loss
 from worker.torch_runtime.base_models import BaseModels, LoadedBase, adapter_name
 from worker.torch_runtime.checkpoints import extract_archive, write_archive
-from worker.torch_runtime.lora_io import AdapterExport, LoraWeights, export_adapter, import_adapter, load_adapter, save_adapter, \
-    save_merged
+from worker.torch_runtime.lora_io import (
+    AdapterExport,
+    LoraWeights,
+    export_adapter,
+    import_adapter,
+    load_adapter,
+    save_adapter,
+    save_merged,
+)
 from worker.torch_runtime.packed_forward import TrainOptions, forward_request
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]

@@ -32,10 +32,10 @@ import torch
 from schemas import CreateModelRequest, ErrorResponse, SampleOutput, SampleRequest
 from tinkerq.catalog import BaseModelCatalog
 from tinkerq.config import RuntimeConfig
-from worker.runtime.base import Admit, Done, DomainError, Engine, Keyed, check_fits, in_order, servable
+from worker.runtime.base import Admit, DomainError, Done, Engine, Keyed, check_fits, in_order, servable
 from worker.torch_runtime.base_models import base_path, resolve_device, resolve_dtype
 from worker.torch_runtime.lora_io import LoraWeights, save_adapter
-from worker.vllm_runtime import inplace, inplace_merged, memory_share, merge, requests as translate
+from worker.vllm_runtime import inplace, inplace_merged, memory_share, merge, translate
 
 log = logging.getLogger(__name__)
 # base model -> the trainer's peak device memory above what it holds now, and the tokens a pass it was measured at

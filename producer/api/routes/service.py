@@ -5,7 +5,6 @@ import asyncio
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
 from redis.exceptions import RedisError
 
 from producer.api.deps import Authorized, DepsParam
