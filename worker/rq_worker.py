@@ -317,7 +317,10 @@ class ShardWorker(SimpleWorker):
                 self.connection.shard = None
         if isinstance(job.transient, FencedOut):
             self.lost_shard(shard_of_queue(queue.name))
-        self.set_state(WorkerStatus.IDLE)
+        try:
+            self.set_state(WorkerStatus.IDLE)
+        except REDIS_DOWN as exc:  # Redis went away just after the job ended: an outage, not the end of the worker
+            self._outage(exc)
         if job.transient is not None and not isinstance(job.transient, FencedOut):
             self._outage(job.transient)
 
