@@ -57,7 +57,7 @@ import threading
 import time
 import urllib.request
 from contextlib import ExitStack
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -147,7 +147,7 @@ def stamp(value: bytes | None) -> float | None:
     """An RQ time field (UTC, ISO with microseconds) as a Unix time."""
     if not value:
         return None
-    return datetime.strptime(value.decode(), "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
+    return datetime.strptime(value.decode(), "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC).timestamp()
 
 
 # -- the payload ---------------------------------------------------------------------------------------------------
@@ -350,19 +350,19 @@ def summarize(queue: list[dict], local: list[dict], replays: list[dict], sizes: 
 def table(report: dict) -> str:
     o = report["options"]
     cpu = report["cpu_ms_per_call"]
-    lines = [f"forward_backward of {o['tokens']:,} tokens ({o['datums']} datums), {o['model']} {o['dtype']} on "
-             f"{o['device']}, LoRA rank {o['rank']}; median of {o['repeats']} calls each, alternating",
-             "",
-             "| path | ms | ratio |", "| --- | --- | --- |",
+    title = (f"forward_backward of {o['tokens']:,} tokens ({o['datums']} datums), {o['model']} {o['dtype']} on "
+             f"{o['device']}, LoRA rank {o['rank']}; median of {o['repeats']} calls each, alternating")
+    queue = (f"| through the queue: SDK -> API -> Redis -> worker -> SDK | {report['queue_ms']:,.1f} | "
+             f"{report['ratio']:.3f} |")
+    outside = (f"| in process + the queue's time outside the trainer | "
+               f"{report['in_process_ms'] + report['outside_trainer_ms']:,.1f} | "
+               f"{report['ratio_outside_trainer']:.3f} |")
+    segments = ("live trip, median ms per segment (the trainer's own time in it: "
+                f"{report['trainer_in_queue_ms']:,.1f}; "
+                f"CPU ms per call: client {cpu['client']:.0f}, API {cpu['api']:.0f}, worker {cpu['worker']:.0f}):")
+    lines = [title, "", "| path | ms | ratio |", "| --- | --- | --- |",
              f"| in process: TorchTrainer.forward(request, backward=True) | {report['in_process_ms']:,.1f} | 1.000 |",
-             f"| through the queue: SDK -> API -> Redis -> worker -> SDK | {report['queue_ms']:,.1f} | "
-             f"{report['ratio']:.3f} |",
-             f"| in process + the queue's time outside the trainer | "
-             f"{report['in_process_ms'] + report['outside_trainer_ms']:,.1f} | {report['ratio_outside_trainer']:.3f} |",
-             "", "live trip, median ms per segment (the trainer's own time in it: "
-             f"{report['trainer_in_queue_ms']:,.1f}; "
-             f"CPU ms per call: client {cpu['client']:.0f}, API {cpu['api']:.0f}, worker {cpu['worker']:.0f}):",
-             "", "| segment | ms |", "| --- | --- |"]
+             queue, outside, "", segments, "", "| segment | ms |", "| --- | --- |"]
     for key, label in SEGMENTS:
         lines.append(f"| {label} | {report['segments_ms'][key]:,.1f} |")
     lines.append("| outside the trainer, all segments (median of the per-call sums) | "
