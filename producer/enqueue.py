@@ -25,7 +25,7 @@ from schemas import (
 )
 from tinkerq import keys, queues
 from tinkerq.config import LimitsConfig, QueueConfig
-from tinkerq.jobs import JOB_OF_KIND
+from tinkerq.jobs import JOB_OF_KIND, EncodedPayload, JobSerializer
 
 _ID_RE = re.compile(ID_PATTERN)
 
@@ -59,6 +59,7 @@ class _Item:
 
     request: Request
     rid: str
+    body: str  # the request's canonical JSON: its digest is taken of it, and the job's payload is it
     digest: str
     shard: int
     record: str  # its request record
@@ -73,7 +74,7 @@ class _Batch:
     placed: dict[str, tuple[Ticket, str]] = field(default_factory=dict)  # claim / request key -> first
     latest: dict[str, int] = field(default_factory=dict)  # model -> weights version after this batch
     added: dict[int, int] = field(default_factory=dict)  # shard -> jobs this batch adds
-    fresh: list[tuple[Request, Ticket, str]] = field(default_factory=list)
+    fresh: list[tuple[Request, Ticket, _Item]] = field(default_factory=list)
 
 
 def _seq_id(request: Request) -> int | None:
@@ -81,9 +82,13 @@ def _seq_id(request: Request) -> int | None:
     return getattr(request, "seq_id", None)
 
 
-def digest(request: BaseModel) -> str:
-    canonical = json.dumps(request.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
-    return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
+def canonical(request: BaseModel) -> str:
+    """The request as JSON with sorted keys and no spaces: equal requests give equal text."""
+    return json.dumps(request.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+
+def digest_of(body: str) -> str:
+    return hashlib.blake2b(body.encode(), digest_size=16).hexdigest()
 
 
 class Producer:
@@ -95,7 +100,7 @@ class Producer:
         self._waiter: ResultWaiter | None = None
         self._read_state = connection.register_script(_READ_STATE)
         self._queues = [
-            Queue(keys.queue_name(k), connection=connection, serializer="json")
+            Queue(keys.queue_name(k), connection=connection, serializer=JobSerializer)
             for k in range(self.config.num_shards)
         ]
 
@@ -145,7 +150,8 @@ class Producer:
         rid = new_request_id(request.kind[:2]) if request_id is None else request_id
         if not _ID_RE.match(rid):
             raise Rejected.of(400, "invalid_request_id", f"request id {rid!r} must match {ID_PATTERN}")
-        return _Item(request, rid, digest(request), self.shard_of(request.model_id), keys.request_key(rid),
+        body = canonical(request)  # encoded once: for the digest, and as the job's payload
+        return _Item(request, rid, body, digest_of(body), self.shard_of(request.model_id), keys.request_key(rid),
                      self._claim_key(request, rid), keys.wver_key(request.model_id))
 
     @staticmethod
@@ -185,8 +191,8 @@ class Producer:
             pipe.unwatch()
             return outcomes
         pipe.multi()
-        for request, ticket, body_digest in batch.fresh:
-            self._enqueue(pipe, request, ticket, body_digest)
+        for request, ticket, item in batch.fresh:
+            self._enqueue(pipe, request, ticket, item)
         for shard in batch.added:  # wake the shard's owner (worker/claim.py): one entry at most
             pipe.rpush(keys.bell_key(shard), 1)
             pipe.ltrim(keys.bell_key(shard), -1, -1)
@@ -217,14 +223,16 @@ class Producer:
         batch.added[item.shard] = batch.added.get(item.shard, 0) + 1
         ticket = Ticket(rid, item.shard, version)
         batch.placed[item.claim] = batch.placed[item.record] = (ticket, item.digest)
-        batch.fresh.append((request, ticket, item.digest))
+        batch.fresh.append((request, ticket, item))
         return ticket
 
-    def _enqueue(self, pipe, request: Request, ticket: Ticket, body_digest: str) -> None:
-        self._record(pipe, request, ticket, body_digest)
+    def _enqueue(self, pipe, request: Request, ticket: Ticket, item: _Item) -> None:
+        self._record(pipe, request, ticket, item.digest)
+        # The payload as encoded for the digest, unless the version stamp changed the request since
+        payload = EncodedPayload(item.body) if request is item.request else request.model_dump(mode="json")
         self._queues[ticket.shard].enqueue_call(
             JOB_OF_KIND[request.kind],
-            args=(request.model_dump(mode="json"),),
+            args=(payload,),
             job_id=ticket.request_id,
             pipeline=pipe,
             timeout=self.config.job_timeout_s,

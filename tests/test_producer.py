@@ -37,6 +37,29 @@ def test_request_goes_to_its_models_shard_queue_as_json(fake, producer):
     assert args[0]["prompt_tokens"] == [5, 6] and kwargs == {}
 
 
+def test_job_payload_is_the_requests_json_and_its_digest_the_canonical_one(fake, producer):
+    """The payload spliced in as encoded for the digest reads back (with plain json) as model_dump(mode="json"); the
+    digest stays blake2b of the sorted, compact JSON (records written by earlier producers compare equal)."""
+    import hashlib
+
+    from schemas import Datum
+
+    request = ForwardBackwardRequest(model_id="m2", seq_id=3, loss_fn="importance_sampling", loss_fn_config={"b": 1.5},
+                                     data=[Datum(model_input=[1, 2, 3], loss_fn_inputs={
+                                         "weights": [1e-05, 0.5, 2.0], "target_tokens": [2.0, 3.0, 4.0]})])
+    stamped = SampleRequest(model_id="m2", prompt_tokens=[5, 6])  # the producer pins its version after the digest
+    for req in (request, stamped):
+        ticket = producer.submit(req)
+        func, instance, args, kwargs = json.loads(zlib.decompress(fake.hget(f"rq:job:{ticket.request_id}", "data")))
+        assert (instance, kwargs, len(args)) == (None, {}, 1)
+        expected = req.model_dump(mode="json") if req is request else {**req.model_dump(mode="json"),
+                                                                         "weights_version": 0}
+        assert args[0] == expected
+        canonical = json.dumps(req.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        assert fake.hget(keys.request_key(ticket.request_id), "digest").decode() == \
+            hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
+
+
 def test_weight_syncs_get_increasing_versions_and_samples_pin_the_latest(producer):
     assert producer.submit(SampleRequest(model_id="m", prompt_tokens=[1])).version == 0
     assert producer.submit(WeightSyncRequest(model_id="m")).version == 1

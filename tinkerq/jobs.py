@@ -1,10 +1,14 @@
-"""The job contract, written once: the function name a request of each kind is enqueued under.
+"""The job contract, written once: the function name a request of each kind is enqueued under, and how a job's
+data is written (JobSerializer).
 
 Producers enqueue by these names and the worker runs only jobs that carry one of them. A name is a label, not
 an import path: the worker never imports it, it hands every admitted job to its dispatcher
 (`worker.rq_worker.AllowlistJob`). The names are the dotted paths the job functions once had, kept as they are
 so jobs already queued in Redis under them still run after an upgrade.
 """
+
+import json
+from typing import Any
 
 SAMPLE = "worker.jobs.sample"
 WEIGHT_SYNC = "worker.jobs.weight_sync"
@@ -25,3 +29,34 @@ JOB_OF_KIND: dict[str, str] = {
 
 # The only function names a worker runs.
 JOB_NAMES: frozenset[str] = frozenset(JOB_OF_KIND.values())
+
+
+class EncodedPayload:
+    """A request payload the producer has already encoded as JSON text (the canonical form its digest is taken of):
+    JobSerializer writes it into the job's data as it is, instead of encoding the payload a second time."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return f"EncodedPayload(<{len(self.text)} chars>)"
+
+
+class JobSerializer:
+    """RQ's JSON serializer (`rq.serializers.JSONSerializer`: the data is the same JSON, which it, rq-dashboard and
+    every earlier worker read), except that a job whose one argument is an EncodedPayload has that text spliced in."""
+
+    @staticmethod
+    def dumps(obj: Any, *args: Any, **kwargs: Any) -> bytes:
+        if (isinstance(obj, tuple) and len(obj) == 4 and isinstance(obj[2], (tuple, list)) and len(obj[2]) == 1
+                and isinstance(obj[2][0], EncodedPayload) and not args and not kwargs):
+            func_name, instance, (payload,), job_kwargs = obj
+            return (f"[{json.dumps(func_name)}, {json.dumps(instance)}, [{payload.text}], "
+                    f"{json.dumps(job_kwargs)}]").encode()
+        return json.dumps(obj, *args, **kwargs).encode()
+
+    @staticmethod
+    def loads(data: bytes, *args: Any, **kwargs: Any) -> Any:
+        return json.loads(data.decode(), *args, **kwargs)
