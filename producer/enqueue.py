@@ -25,7 +25,7 @@ from schemas import (
 )
 from tinkerq import keys, queues
 from tinkerq.config import LimitsConfig, QueueConfig
-from tinkerq.jobs import JOB_OF_KIND, EncodedPayload, JobSerializer
+from tinkerq.jobs import JOB_OF_KIND, EncodedPayload, JobSerializer, QueuedJob
 
 _ID_RE = re.compile(ID_PATTERN)
 
@@ -100,7 +100,7 @@ class Producer:
         self._waiter: ResultWaiter | None = None
         self._read_state = connection.register_script(_READ_STATE)
         self._queues = [
-            Queue(keys.queue_name(k), connection=connection, serializer=JobSerializer)
+            Queue(keys.queue_name(k), connection=connection, serializer=JobSerializer, job_class=QueuedJob)
             for k in range(self.config.num_shards)
         ]
 
