@@ -71,7 +71,6 @@ import numpy as np  # noqa: E402
 import tinker  # noqa: E402
 import torch  # noqa: E402
 from redis import Redis  # noqa: E402
-from rq.serializers import JSONSerializer  # noqa: E402
 from tinker import types  # noqa: E402
 from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
 from tinker.proto.response_conv import deserialize_forward_backward_output  # noqa: E402
@@ -84,6 +83,7 @@ from schemas import ForwardBackwardRequest, parse_result  # noqa: E402
 from tinkerq import keys  # noqa: E402
 from tinkerq.catalog import BaseModelCatalog  # noqa: E402
 from tinkerq.config import LimitsConfig, QueueConfig, RuntimeConfig  # noqa: E402
+from tinkerq.jobs import JobSerializer  # noqa: E402
 from worker.admission import Admission  # noqa: E402
 from worker.journal import Journal  # noqa: E402
 from worker.main import WorkerProcess, connect  # noqa: E402
@@ -285,7 +285,7 @@ def replay_steps(data: list[types.Datum], model_id: str, trainer: TimedTrainer, 
     job_data = scratch.hget(f"rq:job:{last}", "data")
 
     def load_job():
-        job = AllowlistJob.fetch(last, connection=scratch, serializer=JSONSerializer)
+        job = AllowlistJob.fetch(last, connection=scratch, serializer=JobSerializer)
         return job.args
 
     payload = load_job()[0]

@@ -173,3 +173,22 @@ def test_submit_each_decides_every_request_on_its_own_in_one_transaction(fake, p
     assert queued(fake, producer, "m") == ["taken"] + [outcomes[i].request_id for i in (0, 3, 5, 6)]
     assert producer.submit_each([SampleRequest(model_id="m", prompt_tokens=[7], num_samples=10_000)])[0].error.code \
         == "limit_exceeded"  # nothing left to enqueue: no transaction at all
+
+
+@pytest.mark.parametrize("text", [
+    '["worker.jobs.training_op", null, [{"data": [{"model_input": [1, 2], "loss_fn_inputs": {"w": [1e-05, 0.5]}}]}], {}]',
+    '[123456789012345678901234567890, -0.0, 5e-324, 1.7976931348623157e308, 1e400, NaN, -Infinity]',
+    '{"a": 1, "a": 2, "\\u00e9": "\\n"}', '["\\ud800"]', "[" * 300 + "]" * 300,
+])
+def test_job_data_reads_as_json_loads_reads_it(text):
+    from tinkerq.jobs import JobSerializer
+
+    assert repr(JobSerializer.loads(text.encode())) == repr(json.loads(text))
+
+
+@pytest.mark.parametrize("text", ["[1,]", "{", "[1] x", ""])
+def test_malformed_job_data_is_refused_as_json_loads_refuses_it(text):
+    from tinkerq.jobs import JobSerializer
+
+    with pytest.raises(json.JSONDecodeError):
+        JobSerializer.loads(text.encode())

@@ -44,7 +44,7 @@ from rq.worker import WorkerStatus
 
 from tinkerq.keys import shard_of_queue
 from worker import admission
-from tinkerq.jobs import JOB_NAMES, QueuedJob
+from tinkerq.jobs import JOB_NAMES, JobSerializer, QueuedJob
 from worker.admission import Refused, Verdict
 from worker.claim import Claimer, shard_of_key
 from worker.fencing import FencedOut, FencedRedis
@@ -244,7 +244,7 @@ class ShardWorker(SimpleWorker):
         self.admit = admit
         self.context = context
         self.on_signal = on_signal
-        super().__init__(*args, job_class=AllowlistJob, serializer="json", **kwargs)
+        super().__init__(*args, job_class=AllowlistJob, serializer=JobSerializer, **kwargs)
         self.running: tuple | None = None
         self.stop_reason: str | None = None
         self.outage: Exception | None = None  # set when Redis went away and ended the loop
