@@ -1,11 +1,13 @@
 """Producer library on fakeredis: idempotency, versions, backpressure, serialization."""
 
+import hashlib
 import json
 import zlib
 
 import pytest
 
 from producer import Producer, Rejected
+from producer.enqueue import DIGEST_FORM, canonical, digest_of, legacy_digest
 from schemas import (
     CreateModelRequest,
     ForwardBackwardRequest,
@@ -37,16 +39,19 @@ def test_request_goes_to_its_models_shard_queue_as_json(fake, producer):
     assert args[0]["prompt_tokens"] == [5, 6] and kwargs == {}
 
 
-def test_job_payload_is_the_requests_json_and_its_digest_the_canonical_one(fake, producer):
-    """The payload spliced in as encoded for the digest reads back (with plain json) as model_dump(mode="json"); the
-    digest stays blake2b of the sorted, compact JSON (records written by earlier producers compare equal)."""
-    import hashlib
-
+def fb_request(model_id="m2", seq_id=3, weights=(1e-05, 0.5, 2.0), reverse=False):
     from schemas import Datum
 
-    request = ForwardBackwardRequest(model_id="m2", seq_id=3, loss_fn="importance_sampling", loss_fn_config={"b": 1.5},
-                                     data=[Datum(model_input=[1, 2, 3], loss_fn_inputs={
-                                         "weights": [1e-05, 0.5, 2.0], "target_tokens": [2.0, 3.0, 4.0]})])
+    inputs = {"weights": list(weights), "target_tokens": [2.0, 3.0, 4.0]}
+    if reverse:
+        inputs = dict(reversed(inputs.items()))
+    return ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn="importance_sampling",
+                                  loss_fn_config={"b": 1.5}, data=[Datum(model_input=[1, 2, 3], loss_fn_inputs=inputs)])
+
+
+def test_job_payload_is_the_requests_json_and_its_digest_that_of_the_sorted_json(fake, producer):
+    """The payload, spliced in as encoded for the digest, reads back (with plain json) as model_dump(mode="json")."""
+    request = fb_request()
     stamped = SampleRequest(model_id="m2", prompt_tokens=[5, 6])  # the producer pins its version after the digest
     for req in (request, stamped):
         ticket = producer.submit(req)
@@ -55,9 +60,26 @@ def test_job_payload_is_the_requests_json_and_its_digest_the_canonical_one(fake,
         expected = req.model_dump(mode="json") if req is request else {**req.model_dump(mode="json"),
                                                                          "weights_version": 0}
         assert args[0] == expected
-        canonical = json.dumps(req.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
-        assert fake.hget(keys.request_key(ticket.request_id), "digest").decode() == \
-            hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
+    body = json.loads(canonical(request))
+    assert body == request.model_dump(mode="json") and list(body["data"][0]["loss_fn_inputs"]) == \
+        ["target_tokens", "weights"]
+    assert digest_of(canonical(request)) == digest_of(canonical(fb_request(reverse=True)))  # dict order aside
+
+
+def test_a_resend_compares_with_a_digest_an_earlier_producer_stored(fake, producer):
+    """Request records written before the digest's current form (the bare hash of json.dumps(sort_keys=True)) still
+    tell a resend of the same body (answered with the first id) from another body under the same seq_id (409)."""
+    first = producer.submit(fb_request(seq_id=7))
+    record = keys.request_key(first.request_id)
+    assert fake.hget(record, "digest").decode().startswith(DIGEST_FORM)
+    fake.hset(record, "digest", legacy_digest(fb_request(seq_id=7)))
+    again = producer.submit(fb_request(seq_id=7, reverse=True))
+    assert again.duplicate and again.request_id == first.request_id
+    with pytest.raises(Rejected) as refused:
+        producer.submit(fb_request(seq_id=7, weights=(1.0, 1.0, 1.0)))
+    assert refused.value.error.code == "idempotency_conflict"
+    assert legacy_digest(fb_request()) == hashlib.blake2b(json.dumps(
+        fb_request().model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode(), digest_size=16).hexdigest()
 
 
 def test_weight_syncs_get_increasing_versions_and_samples_pin_the_latest(producer):

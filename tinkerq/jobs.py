@@ -36,21 +36,21 @@ JOB_NAMES: frozenset[str] = frozenset(JOB_OF_KIND.values())
 
 
 class EncodedPayload:
-    """A request payload the producer has already encoded as JSON text (the canonical form its digest is taken of):
+    """A request payload the producer has already encoded as JSON (the canonical form its digest is taken of):
     JobSerializer writes it into the job's data as it is, instead of encoding the payload a second time."""
 
-    __slots__ = ("text",)
+    __slots__ = ("data",)
 
-    def __init__(self, text: str) -> None:
-        self.text = text
+    def __init__(self, data: bytes) -> None:
+        self.data = data
 
     def __repr__(self) -> str:
-        return f"EncodedPayload(<{len(self.text)} chars>)"
+        return f"EncodedPayload(<{len(self.data)} bytes>)"
 
 
 class JobSerializer:
-    """RQ's JSON serializer (`rq.serializers.JSONSerializer`: the data is the same JSON, which it, rq-dashboard and
-    every earlier worker read), except that a job whose one argument is an EncodedPayload has that text spliced in,
+    """RQ's JSON serializer (`rq.serializers.JSONSerializer`: the data is JSON, which it, rq-dashboard and every
+    earlier worker read), except that a job whose one argument is an EncodedPayload has those bytes spliced in,
     and that it reads JSON faster."""
 
     @staticmethod
@@ -58,8 +58,8 @@ class JobSerializer:
         if (isinstance(obj, tuple) and len(obj) == 4 and isinstance(obj[2], (tuple, list)) and len(obj[2]) == 1
                 and isinstance(obj[2][0], EncodedPayload) and not args and not kwargs):
             func_name, instance, (payload,), job_kwargs = obj
-            return (f"[{json.dumps(func_name)}, {json.dumps(instance)}, [{payload.text}], "
-                    f"{json.dumps(job_kwargs)}]").encode()
+            return b"".join([b"[", json.dumps(func_name).encode(), b", ", json.dumps(instance).encode(), b", [",
+                             payload.data, b"], ", json.dumps(job_kwargs).encode(), b"]"])
         return json.dumps(obj, *args, **kwargs).encode()
 
     @staticmethod
