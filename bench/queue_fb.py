@@ -360,7 +360,7 @@ def table(report: dict) -> str:
     outside = (f"| in process + the queue's time outside the trainer | "
                f"{report['in_process_ms'] + report['outside_trainer_ms']:,.1f} | "
                f"{report['ratio_outside_trainer']:.3f} |")
-    segments = ("live trip, median ms per segment (the trainer's own time in it: "
+    segments = ("live trip, ms per segment (the trainer's own time in it, median: "
                 f"{report['trainer_in_queue_ms']:,.1f}; "
                 f"CPU ms per call: client {cpu['client']:.0f}, API {cpu['api']:.0f}, worker {cpu['worker']:.0f}):")
     lines = [title, "", "| path | ms | ratio |", "| --- | --- | --- |",
