@@ -19,7 +19,7 @@ from worker.runtime.base import DomainError
 from worker.torch_runtime import losses
 from worker.torch_runtime.base_models import BaseModels
 from worker.torch_runtime.packed_forward import TrainOptions
-from worker.torch_runtime.packing import plan
+from worker.torch_runtime.packing import flatten, plan
 from worker.torch_runtime.trainer import TorchTrainer
 
 LENGTHS = [5, 17, 1, 9, 30, 12]  # uneven, one a single token
@@ -215,3 +215,19 @@ def test_micro_batches_are_whole_datums_up_to_the_budget():
     assert plan([5, 17, 1, 9, 30, 12], 20) == [(0, 1), (1, 3), (3, 4), (4, 5), (5, 6)]
     assert plan([5, 17, 1, 9, 30, 12], 10**6) == [(0, 6)]
     assert plan([3, 3, 3], 6) == [(0, 2), (2, 3)]
+
+
+def test_datums_become_the_tensors_torch_tensor_makes_of_their_lists():
+    """flatten reads the lists with numpy (faster than torch.tensor of a list): the same values, the same float32
+    rounding of inputs, the same truncation of float target tokens."""
+    data = [Datum(model_input=[0, 7, 2047], loss_fn_inputs={"target_tokens": [7.0, 2047.9, 3.0],
+                                                             "weights": [0.1, 1 / 3, 1e-40]}),
+            Datum(model_input=[5], loss_fn_inputs={"target_tokens": [1.0], "advantages": [-2.5]})]
+    flat = flatten(data, 2048, torch.device("cpu"))
+    assert torch.equal(flat.tokens, torch.tensor([0, 7, 2047, 5], dtype=torch.long))
+    assert torch.equal(flat.targets, torch.tensor([7.0, 2047.9, 3.0, 1.0], dtype=torch.float64).long())
+    assert torch.equal(flat.inputs["weights"].values, torch.tensor([0.1, 1 / 3, 1e-40], dtype=torch.float32))
+    assert flat.inputs["weights"].starts == {0: 0} and flat.inputs["advantages"].starts == {1: 0}
+    assert flat.inputs["advantages"].values.dtype == torch.float32
+    with pytest.raises(DomainError, match="outside"):
+        flatten([Datum(model_input=[1, 2048], loss_fn_inputs={"target_tokens": [2.0, 3.0]})], 2048, torch.device("cpu"))

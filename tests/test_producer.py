@@ -1,11 +1,13 @@
 """Producer library on fakeredis: idempotency, versions, backpressure, serialization."""
 
+import hashlib
 import json
 import zlib
 
 import pytest
 
 from producer import Producer, Rejected
+from producer.enqueue import DIGEST_FORM, canonical, digest_of, legacy_digest
 from schemas import (
     CreateModelRequest,
     ForwardBackwardRequest,
@@ -35,6 +37,49 @@ def test_request_goes_to_its_models_shard_queue_as_json(fake, producer):
     func, _, args, kwargs = json.loads(zlib.decompress(raw))
     assert func == "worker.jobs.sample"
     assert args[0]["prompt_tokens"] == [5, 6] and kwargs == {}
+
+
+def fb_request(model_id="m2", seq_id=3, weights=(1e-05, 0.5, 2.0), reverse=False):
+    from schemas import Datum
+
+    inputs = {"weights": list(weights), "target_tokens": [2.0, 3.0, 4.0]}
+    if reverse:
+        inputs = dict(reversed(inputs.items()))
+    return ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn="importance_sampling",
+                                  loss_fn_config={"b": 1.5}, data=[Datum(model_input=[1, 2, 3], loss_fn_inputs=inputs)])
+
+
+def test_job_payload_is_the_requests_json_and_its_digest_that_of_the_sorted_json(fake, producer):
+    """The payload, spliced in as encoded for the digest, reads back (with plain json) as model_dump(mode="json")."""
+    request = fb_request()
+    stamped = SampleRequest(model_id="m2", prompt_tokens=[5, 6])  # the producer pins its version after the digest
+    for req in (request, stamped):
+        ticket = producer.submit(req)
+        func, instance, args, kwargs = json.loads(zlib.decompress(fake.hget(f"rq:job:{ticket.request_id}", "data")))
+        assert (instance, kwargs, len(args)) == (None, {}, 1)
+        expected = req.model_dump(mode="json") if req is request else {**req.model_dump(mode="json"),
+                                                                         "weights_version": 0}
+        assert args[0] == expected
+    body = json.loads(canonical(request))
+    assert body == request.model_dump(mode="json") and list(body["data"][0]["loss_fn_inputs"]) == \
+        ["target_tokens", "weights"]
+    assert digest_of(canonical(request)) == digest_of(canonical(fb_request(reverse=True)))  # dict order aside
+
+
+def test_a_resend_compares_with_a_digest_an_earlier_producer_stored(fake, producer):
+    """Request records written before the digest's current form (the bare hash of json.dumps(sort_keys=True)) still
+    tell a resend of the same body (answered with the first id) from another body under the same seq_id (409)."""
+    first = producer.submit(fb_request(seq_id=7))
+    record = keys.request_key(first.request_id)
+    assert fake.hget(record, "digest").decode().startswith(DIGEST_FORM)
+    fake.hset(record, "digest", legacy_digest(fb_request(seq_id=7)))
+    again = producer.submit(fb_request(seq_id=7, reverse=True))
+    assert again.duplicate and again.request_id == first.request_id
+    with pytest.raises(Rejected) as refused:
+        producer.submit(fb_request(seq_id=7, weights=(1.0, 1.0, 1.0)))
+    assert refused.value.error.code == "idempotency_conflict"
+    assert legacy_digest(fb_request()) == hashlib.blake2b(json.dumps(
+        fb_request().model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode(), digest_size=16).hexdigest()
 
 
 def test_weight_syncs_get_increasing_versions_and_samples_pin_the_latest(producer):
@@ -150,3 +195,22 @@ def test_submit_each_decides_every_request_on_its_own_in_one_transaction(fake, p
     assert queued(fake, producer, "m") == ["taken"] + [outcomes[i].request_id for i in (0, 3, 5, 6)]
     assert producer.submit_each([SampleRequest(model_id="m", prompt_tokens=[7], num_samples=10_000)])[0].error.code \
         == "limit_exceeded"  # nothing left to enqueue: no transaction at all
+
+
+@pytest.mark.parametrize("text", [
+    '["worker.jobs.training_op", null, [{"data": [{"model_input": [1, 2], "loss_fn_inputs": {"w": [1e-05, 0.5]}}]}], {}]',
+    '[123456789012345678901234567890, -0.0, 5e-324, 1.7976931348623157e308, 1e400, NaN, -Infinity]',
+    '{"a": 1, "a": 2, "\\u00e9": "\\n"}', '["\\ud800"]', "[" * 300 + "]" * 300,
+])
+def test_job_data_reads_as_json_loads_reads_it(text):
+    from tinkerq.jobs import JobSerializer
+
+    assert repr(JobSerializer.loads(text.encode())) == repr(json.loads(text))
+
+
+@pytest.mark.parametrize("text", ["[1,]", "{", "[1] x", ""])
+def test_malformed_job_data_is_refused_as_json_loads_refuses_it(text):
+    from tinkerq.jobs import JobSerializer
+
+    with pytest.raises(json.JSONDecodeError):
+        JobSerializer.loads(text.encode())

@@ -401,3 +401,38 @@ def test_a_model_whose_worker_is_gone_gets_a_clear_state_lost_error(r, producer,
     assert codes == ["model_state_lost", "model_state_lost", "unknown_model"]
     assert "load_state" in result(producer, after[0]).error
     assert keys.journal_key(M) in result(producer, after[1]).error  # names what was lost
+
+
+def test_a_finished_jobs_data_is_written_back_as_the_producer_stored_it(r, producer, config, tmp_path):
+    """The producer compresses a job's data once (zlib level 1, tinkerq.jobs.QueuedJob); the worker inflates it once
+    and, when RQ saves the finished job's hash again, writes those same bytes back instead of compressing anew."""
+    create(producer)
+    datum = Datum(model_input=[1, 2, 3], loss_fn_inputs={"target_tokens": [2.0, 3.0, 4.0]})
+    tickets = [producer.submit(ForwardBackwardRequest(model_id=M, data=[datum])), sample(producer)]
+    stored = {t.request_id: r.hget(f"rq:job:{t.request_id}", "data") for t in tickets}
+    assert all(zlib.decompressobj().decompress(data) for data in stored.values())
+    drain(r, config, tmp_path)
+    for ticket in tickets:
+        job = Job.fetch(ticket.request_id, connection=r, serializer="json")
+        assert job.get_status() == JobStatus.FINISHED
+        assert r.hget(f"rq:job:{ticket.request_id}", "data") == stored[ticket.request_id]
+    assert result(producer, tickets[0]).type == "forward_backward"
+
+
+def test_job_data_is_inflated_once_and_reads_as_rq_reads_it(r):
+    """AllowlistJob hands RQ the data it already inflated (checking its size) exactly where RQ's own inflating would
+    give the same bytes; anything else (not zlib, trailing bytes, a truncated stream) goes to RQ as it came."""
+    from worker.rq_worker import AllowlistJob
+
+    payload = json.dumps(["worker.jobs.sample", None, [{"a": [1.5, 2]}], {}]).encode()
+    cases = {"level1": zlib.compress(payload, 1), "level9": zlib.compress(payload, 9), "plain": payload,
+             "trailing": zlib.compress(payload) + b"junk", "truncated": zlib.compress(payload)[:-6]}
+    for name, data in cases.items():
+        r.hset(f"rq:job:{name}", mapping={"data": data, "created_at": "2026-12-05T00:00:00.000000Z",
+                                            "origin": "q", "status": "queued"})
+        ours, rq = (cls.fetch(name, connection=r, serializer="json") for cls in (AllowlistJob, Job))
+        assert ours.data == rq.data, name
+        saved = ours.to_dict()["data"]
+        assert zlib.decompress(saved) == rq.data, name
+        if name.startswith("level"):
+            assert saved == data, name  # unchanged data is written back as it was read

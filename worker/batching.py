@@ -23,11 +23,11 @@ from redis import Redis
 from rq.job import Job, JobStatus
 from rq.registry import FinishedJobRegistry
 from rq.results import Result
-from rq.serializers import JSONSerializer
 from rq.utils import now
 
 from schemas import SampleRequest
 from tinkerq import keys, queues
+from tinkerq.jobs import JobSerializer
 from worker.admission import Admission, Admitted, job_id
 from worker.fencing import Fence
 from worker.inflight import InFlightList
@@ -102,7 +102,7 @@ class Batcher:
         for rid, raw in zip(ids, hashes):
             if not raw or isinstance(raw, Exception):
                 continue  # gone or not a hash: answered when popped
-            job = AllowlistJob(rid, connection=self.connection, serializer=JSONSerializer)
+            job = AllowlistJob(rid, connection=self.connection, serializer=JobSerializer)
             try:
                 job.restore(raw)  # what Job.fetch_many does for each hash (RQ-internal; rq is pinned)
             except Exception:  # noqa: BLE001 - any malformed job is left for its own turn

@@ -15,6 +15,7 @@ from rq.exceptions import StopRequested
 from schemas import ErrorResponse, Limits
 from tinkerq import keys
 from tinkerq.config import QueueConfig
+from tinkerq.jobs import JobSerializer
 from tinkerq.keys import shard_of_queue
 from worker.claim import Claimer
 from worker.dispatcher import Dispatcher
@@ -74,7 +75,7 @@ class WorkerProcess:
         self._incarnation = 0
 
     def _queue(self, shard: int) -> ShardQueue:
-        return ShardQueue(keys.queue_name(shard), connection=self.connection, serializer="json")
+        return ShardQueue(keys.queue_name(shard), connection=self.connection, serializer=JobSerializer)
 
     def _beat(self) -> None:
         if self.membership is not None:

@@ -42,7 +42,7 @@ from rq.job import Job
 from rq.utils import now
 from rq.worker import WorkerStatus
 
-from tinkerq.jobs import JOB_NAMES
+from tinkerq.jobs import JOB_NAMES, JobSerializer, QueuedJob
 from tinkerq.keys import shard_of_queue
 from worker import admission
 from worker.admission import Refused, Verdict
@@ -92,7 +92,7 @@ class JobContext(Protocol):
     def handle(self, job: Job) -> dict[str, Any]: ...
 
 
-class AllowlistJob(Job):
+class AllowlistJob(QueuedJob):
     """A job loaded as untrusted data: without RQ's hook fields (listed in `ignored_fields` when set), with its
     data bounded, and run only once the worker admitted it (`verdict`) and only if its function is allowed.
     Its function name is never imported: the job runs in the worker's `context`."""
@@ -111,8 +111,17 @@ class AllowlistJob(Job):
         self.ignored_fields = tuple(name for name in HOOK_FIELDS
                                     if raw_data.get(name.encode(), raw_data.get(name)) not in (None, b"", ""))
         kept = {key: value for key, value in raw_data.items() if _field(key) not in _DROPPED}
-        _check_size(kept.get(b"data", kept.get("data")), self.max_data_bytes)
-        return super().restore(kept)
+        field = b"data" if b"data" in kept else "data"
+        stored = kept.get(field)
+        inflated = _check_size(stored, self.max_data_bytes)
+        if inflated is not None:
+            # RQ inflates the data again unless handed it inflated: a JSON array, which no zlib stream begins like
+            # (RQ takes data that does not inflate as it is)
+            kept[field] = inflated
+        out = super().restore(kept)
+        if inflated is not None and self.data is inflated:
+            self.remember_stored(inflated, stored)  # a save writes these bytes back, not a new compression
+        return out
 
     def perform(self):  # noqa: ANN201 - RQ's signature
         if self.verdict is None:
@@ -131,15 +140,22 @@ class AllowlistJob(Job):
         return self.context.handle(self)
 
 
-def _check_size(data: bytes | str | None, limit: int) -> None:
+def _check_size(data: bytes | str | None, limit: int) -> bytes | None:
+    """ValueError if `data` inflates to more than `limit` bytes. What it inflates to, where that is all of it, a
+    JSON array, exactly what zlib.decompress (RQ's restore) would give; else None."""
     if not isinstance(data, bytes):
-        return  # missing: RQ says so itself
+        return None  # missing: RQ says so itself
+    inflater = zlib.decompressobj()
     try:
-        inflated = zlib.decompressobj().decompress(data, limit + 1)
+        inflated = inflater.decompress(data, limit + 1)
     except zlib.error:
         inflated = data  # RQ falls back to the raw bytes too
+        inflater = None
     if len(inflated) > limit:
         raise ValueError(f"the job's data exceeds {limit} bytes")
+    if inflater is None or not inflater.eof or inflater.unused_data or not inflated.startswith(b"["):
+        return None
+    return inflated
 
 
 class LostJob(Exception):
@@ -228,7 +244,7 @@ class ShardWorker(SimpleWorker):
         self.admit = admit
         self.context = context
         self.on_signal = on_signal
-        super().__init__(*args, job_class=AllowlistJob, serializer="json", **kwargs)
+        super().__init__(*args, job_class=AllowlistJob, serializer=JobSerializer, **kwargs)
         self.running: tuple | None = None
         self.stop_reason: str | None = None
         self.outage: Exception | None = None  # set when Redis went away and ended the loop
