@@ -299,6 +299,14 @@ class ShardWorker(SimpleWorker):
         self.outage = exc
         raise StopRequested() from exc
 
+    def check_for_suspension(self, burst: bool) -> None:
+        # the first Redis command of each turn of RQ's loop, outside every handler of ours: RQ would log an
+        # "unhandled exception" and end the loop, and the worker with it
+        try:
+            super().check_for_suspension(burst)
+        except REDIS_DOWN as exc:
+            self._outage(exc)
+
     def heartbeat(self, timeout: int | None = None, pipeline=None) -> None:  # noqa: ANN001 - RQ's signature
         try:
             super().heartbeat(timeout, pipeline=pipeline)
