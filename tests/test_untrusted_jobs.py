@@ -5,7 +5,6 @@ import http.server
 import json
 import math
 import re
-import sys
 import threading
 import time
 import zlib
@@ -690,34 +689,3 @@ def test_a_stop_signal_while_a_claimed_job_loads_leaves_it_for_the_next_owner(r,
     assert producer.get(ticket.request_id) is None  # not answered invalid_job: left in flight
     burst_worker(r, config, tmp_path).run(burst=True, logging_level="WARNING")
     assert isinstance(producer.get(ticket.request_id), SampleOutput), producer.get(ticket.request_id)
-
-
-def test_redis_gone_as_a_job_ends_is_an_outage_ridden_out_not_the_end_of_the_worker(r, config, tmp_path,
-                                                                                       monkeypatch):
-    """Seen under `test_outages`' Redis kill: the connection failed in RQ's bookkeeping right after a job ended (its
-    worker state back to idle), outside every outage handler; RQ's loop ended and the worker exited, its shards
-    waiting for a standby. That one failure stands for the kill here; Redis is up again at once."""
-    from redis.exceptions import ConnectionError as RedisConnectionError
-    from rq.worker import WorkerStatus
-
-    from worker.rq_worker import ShardWorker
-
-    producer = Producer(r, config)
-    producer.submit(CreateModelRequest(model_id=M, base_model="ref"))
-    first = producer.submit(SampleRequest(model_id=M, prompt_tokens=[3]))
-    set_state = ShardWorker.set_state
-    failed: list[str] = []
-
-    def failing_once(self, state, pipeline=None):  # noqa: ANN001, ANN202
-        if state == WorkerStatus.IDLE and sys._getframe(1).f_code.co_name == "execute_job" and not failed:
-            failed.append(state)
-            raise RedisConnectionError("Error 111 connecting to redis. Connection refused.")
-        return set_state(self, state, pipeline=pipeline)
-
-    monkeypatch.setattr(ShardWorker, "set_state", failing_once)
-    later = producer.submit(SampleRequest(model_id=M, prompt_tokens=[4]))
-    burst_worker(r, config, tmp_path).run(burst=True, logging_level="WARNING")
-    assert failed, "the failure was never injected"
-    # the same worker rode it out and served on: both samples answered, in one run
-    assert isinstance(producer.get(first.request_id), SampleOutput), producer.get(first.request_id)
-    assert isinstance(producer.get(later.request_id), SampleOutput), producer.get(later.request_id)

@@ -20,9 +20,18 @@ from worker.outage import retrying
 # at KEYS[2] and ARGV[2].
 LEASE_CHECK = "if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end\n"
 
-# A held lease is left alone (no epoch spent on it): a standby polling for free shards writes nothing.
+# A held lease is left alone (no epoch spent on it): a standby polling for free shards writes nothing. One held under
+# this worker's own name is its own from an acquire whose reply was lost (Redis went away just after it ran): it is
+# adopted, not left to lapse (a worker's name is its own: no other process writes a token with it).
 _ACQUIRE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return false end
+local held = redis.call('GET', KEYS[1])
+if held then
+  if string.sub(held, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return held
+  end
+  return false
+end
 local epoch = redis.call('INCR', KEYS[2])
 local token = ARGV[1] .. ':' .. epoch
 if redis.call('SET', KEYS[1], token, 'NX', 'PX', ARGV[2]) then return token end

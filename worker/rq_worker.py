@@ -21,7 +21,8 @@ RQ internals relied on (rq is pinned exactly in pyproject; each is re-checked by
 `Job.restore` (every load of a hash: `Job.fetch`, `Job.fetch_many`, `Queue.fetch_job`, the registries'
 cleanup), the hash field names it reads, `Queue.lpop` / `Queue.lmove` (the pop, before `dequeue_any` decodes
 the id), `Queue._fetch_dequeued_job`, `Queue.move_dependents_to_ready` / `enqueue_dependents` (called by the
-worker's success and failure paths), `BaseWorker.dequeue_job_and_maintain_ttl` (replaced), `prepare_job_execution`,
+worker's success and failure paths), `BaseWorker.work` and `dequeue_job_and_maintain_ttl` (both replaced; the loop
+calls RQ's `bootstrap`, `check_for_suspension`, `execute_job` and `heartbeat`), `prepare_job_execution`,
 `Job._execute` (where RQ would import and call the job's function),
 `handle_exception` / `handle_job_failure` (in that order, from `_finalize_failure`), `heartbeat` and `teardown`,
 `run_maintenance_tasks` and `Queue.intermediate_queue` (whose `cleanup` RQ's maintenance calls).
@@ -264,6 +265,45 @@ class ShardWorker(SimpleWorker):
         if self.get_state() != WorkerStatus.BUSY:
             raise StopRequested()  # out of a blocking wait for a job; a busy worker returns after the job
 
+    def work(self, burst: bool = False, logging_level: str | None = None,  # type: ignore[override]
+             dequeue_strategy: str = "default", **_unused: object) -> bool:
+        """RQ's loop (`BaseWorker.work` of rq 3.0.0), owned: RQ's own ends the worker on any error of a turn, a
+        redis-py TimeoutError or ConnectionError from any of its Redis calls included. Here a Redis outage anywhere
+        in a turn (RQ's bookkeeping or ours, the job in hand) ends the loop with `outage` set: the job in hand stays
+        in flight, or goes back to its queue when the lease was lost, and WorkerProcess rides the outage out. Any
+        other error ends the loop as RQ's would, logged."""
+        self._dequeue_strategy = dequeue_strategy
+        completed = 0
+        try:
+            self.bootstrap(logging_level)
+            self._install_signal_handlers()
+            while self._turn(burst):
+                completed += 1
+        except StopRequested:
+            pass
+        except (*REDIS_DOWN, RedisGone) as exc:
+            log.warning("worker %s: Redis went away (%s); this incarnation stops", self.name, exc)
+            self.outage = exc
+        except Exception:  # noqa: BLE001 - as RQ's loop: logged, the loop ends, the worker process decides
+            log.exception("worker %s: unhandled error in its loop; it stops", self.name)
+        finally:
+            self.teardown()
+        return completed > 0
+
+    def _turn(self, burst: bool) -> bool:
+        """One job, as RQ's loop takes it (suspension, maintenance, the pop, the job, a heartbeat). False: stop."""
+        self.check_for_suspension(burst)
+        if self.should_run_maintenance_tasks:
+            self.run_maintenance_tasks()
+        if self._stop_requested:
+            return False
+        result = self.dequeue_job_and_maintain_ttl(None if burst else self.dequeue_timeout)
+        if result is None:
+            return False
+        self.execute_job(*result)
+        self.heartbeat()
+        return True
+
     @property
     def dequeue_timeout(self) -> int:
         return self.tick_s
@@ -284,34 +324,14 @@ class ShardWorker(SimpleWorker):
         # bookkeeping for the dashboard, not the in-flight record (recovery reads that): a failed round is skipped.
         try:
             super().run_maintenance_tasks()
-        except REDIS_DOWN as exc:  # also from work()'s own call, outside dequeue_job_and_maintain_ttl
-            self._outage(exc)
+        except REDIS_DOWN:
+            raise
         except Exception:  # noqa: BLE001 - whatever a registry holds
             log.exception("worker %s: RQ's registry maintenance failed; skipped until its next round", self.name)
             self.last_cleaned_at = now()
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         return HEARTBEAT_TTL_S
-
-    def _outage(self, exc: Exception) -> None:
-        """End `work()` quietly (RQ breaks its loop on StopRequested); WorkerProcess rides the outage out."""
-        log.warning("worker %s: Redis went away (%s); this incarnation stops", self.name, exc)
-        self.outage = exc
-        raise StopRequested() from exc
-
-    def check_for_suspension(self, burst: bool) -> None:
-        # the first Redis command of each turn of RQ's loop, outside every handler of ours: RQ would log an
-        # "unhandled exception" and end the loop, and the worker with it
-        try:
-            super().check_for_suspension(burst)
-        except REDIS_DOWN as exc:
-            self._outage(exc)
-
-    def heartbeat(self, timeout: int | None = None, pipeline=None) -> None:  # noqa: ANN001 - RQ's signature
-        try:
-            super().heartbeat(timeout, pipeline=pipeline)
-        except REDIS_DOWN as exc:  # only the loop's own heartbeats run a command here, never a job's
-            self._outage(exc)
 
     def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
         # RQ drops the id from the intermediate list here when it serves one queue; it stays there until the job
@@ -334,19 +354,14 @@ class ShardWorker(SimpleWorker):
                 self.claimer.done(queue.key, job.id)
         except FencedOut as exc:  # a fenced write outside the job (RQ's bookkeeping, the end of the claim)
             job.transient = exc
-        except REDIS_DOWN as exc:  # RQ's own bookkeeping failed: the job stays in flight, recovery requeues it
-            self._outage(exc)
         finally:
             if fenced:
                 self.connection.shard = None
         if isinstance(job.transient, FencedOut):
             self.lost_shard(shard_of_queue(queue.name))
-        try:
-            self.set_state(WorkerStatus.IDLE)
-        except REDIS_DOWN as exc:  # Redis went away just after the job ended: an outage, not the end of the worker
-            self._outage(exc)
+        self.set_state(WorkerStatus.IDLE)
         if job.transient is not None and not isinstance(job.transient, FencedOut):
-            self._outage(job.transient)
+            raise job.transient  # Redis went away during the job: the loop's outage (RedisGone ends the worker)
 
     def lost_shard(self, shard: int) -> None:
         """A fenced write was refused: the shard is someone else's now. This worker stops treating it as its own
@@ -392,14 +407,11 @@ class ShardWorker(SimpleWorker):
     def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):  # noqa: ANN001, ANN201
         """Claim the next job (worker/claim.py) instead of RQ's pop. A job that cannot be loaded is answered, a
         queue entry that names no request is dropped, and every job returned carries the worker's verdict."""
-        try:
-            self.set_state(WorkerStatus.IDLE)
-            while True:
-                result = self._claim_next(timeout)
-                if result is not False:
-                    return result
-        except REDIS_DOWN as exc:
-            self._outage(exc)
+        self.set_state(WorkerStatus.IDLE)
+        while True:
+            result = self._claim_next(timeout)
+            if result is not False:
+                return result
 
     def _claim_next(self, timeout: int | None):  # noqa: ANN202 - (job, queue), None (stop or idle burst), False
         self.heartbeat()
