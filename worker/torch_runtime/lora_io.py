@@ -48,19 +48,20 @@ class AdapterExport:
             if param is None or not param.is_contiguous():
                 raise ValueError(f"peft's {key} is not one of the adapter's parameters as it is")
             self.sources[key] = param
-
-    def export(self) -> LoraWeights:
         groups: dict[tuple, list[str]] = {}
         for key, param in self.sources.items():
             groups.setdefault((param.dtype, param.device), []).append(key)
+        # per dtype and device: the keys, their parameters, sizes and shapes (fixed for the adapter's life)
+        self.groups = [(keys, [self.sources[k] for k in keys], [self.sources[k].numel() for k in keys],
+                        [self.sources[k].shape for k in keys]) for keys in groups.values()]
+
+    def export(self) -> LoraWeights:
         tensors: dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            for keys in groups.values():
-                sources = [self.sources[k] for k in keys]
-                flat = torch.cat([p.detach().reshape(-1) for p in sources])
-                for key, part, param in zip(keys, flat.split([p.numel() for p in sources]), sources, strict=True):
-                    tensors[key] = part.view(param.shape)
-        return LoraWeights(self.config, {k: tensors[k] for k in self.sources})
+            for keys, params, sizes, shapes in self.groups:
+                parts = torch.cat([p.view(-1) for p in params]).split(sizes)
+                tensors.update({key: part.view(shape) for key, part, shape in zip(keys, parts, shapes, strict=True)})
+        return LoraWeights(self.config, tensors if len(self.groups) == 1 else {k: tensors[k] for k in self.sources})
 
 
 def import_adapter(base: LoadedBase, adapter: str, weights: LoraWeights) -> None:

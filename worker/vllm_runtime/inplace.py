@@ -63,7 +63,8 @@ class LoraSlots:
         self.targets = self._targets(manager)
         self._plans: dict[tuple[str, ...], dict[str, Target] | None] = {}
         # slot -> the (module, slice) pairs this class last wrote there; absent: unknown, reset before use
-        self.written: dict[int, set[Target]] = {i: set() for i in range(manager.lora_slots)}
+        self.written: dict[int, frozenset[Target]] = {i: frozenset() for i in range(manager.lora_slots)}
+        self._destinations: dict[tuple[int, int, int], _Destination] = {}
         self._wrap_activation()
 
     @classmethod
@@ -172,41 +173,35 @@ class LoraSlots:
         return manager.lora_index_to_id.index(None)
 
     def _write(self, slot: int, plan: dict[str, Target], weights: LoraWeights) -> None:
-        rank = weights.config.r
         before = self.written.get(slot)
         if before is None:  # vLLM wrote this slot: unknown modules hold values, clear them all
             for module in self.manager.modules.values():
                 module.reset_lora(slot)
-            before = set()
-        now = set(plan.values())
-        stale: list[torch.Tensor] = []
-        for target in before - now:  # a module the previous adapter had and this one lacks
+            before = frozenset()
+        dest = self._destination(slot, plan, weights.config.r)
+        stale = list(dest.stale)
+        for target in before - dest.targets:  # a module the previous adapter had and this one lacks
             a, b = self._stacked(target)
             stale += [a[slot], b[slot]]
-        a_dst, a_src, b_dst, b_src = [], [], [], []
-        for key, target in plan.items():
-            tensor = weights.tensors[key]
-            a, b = self._stacked(target)
-            if ".lora_A." in key:
-                a_dst.append(a[slot, 0, :rank])
-                a_src.append(tensor)
-                if a.shape[-2] > rank:  # rows past this rank may hold a higher-rank adapter's values
-                    stale.append(a[slot, 0, rank:])
-            else:
-                b_dst.append(b[slot, 0, :, :rank])
-                b_src.append(tensor)
-                if b.shape[-1] > rank:
-                    stale.append(b[slot, 0, :, rank:])
         with torch.no_grad():
             if stale:
                 torch._foreach_zero_(stale)
-            torch._foreach_copy_(a_dst + b_dst, a_src + b_src)
+            torch._foreach_copy_(dest.a + dest.b, [weights.tensors[key] for key in dest.keys])
             scale = scaling(weights.config)
             if scale != 1:
                 # vLLM folds the scale into its own copy of B at load (LoRALayerWeights.optimize): same here,
                 # on the slot's copy, in the slot's dtype; the trainer's tensors are never scaled.
-                torch._foreach_mul_(b_dst, scale)
-        self.written[slot] = now
+                torch._foreach_mul_(dest.b, scale)
+        self.written[slot] = dest.targets
+
+    def _destination(self, slot: int, plan: dict[str, Target], rank: int) -> "_Destination":
+        """Where each tensor of `plan` goes in `slot`: built once per slot and plan (indexing a stacked tensor costs
+        microseconds in Python, hundreds of times per sync); the views stay valid, vLLM never reallocates them."""
+        cache_key = (slot, id(plan), rank)
+        dest = self._destinations.get(cache_key)
+        if dest is None:
+            dest = self._destinations[cache_key] = _Destination.build(self, slot, plan, rank)
+        return dest
 
     def _wrap_activation(self) -> None:
         """vLLM's own activations (file-path adapters, re-activating an evicted snapshot) rewrite a slot in
@@ -222,6 +217,33 @@ class LoraSlots:
             return wrote
 
         manager.activate_adapter = activate_adapter
+
+
+class _Destination:
+    """One slot's views for one plan: A's and B's destinations (the keys of their sources in the same order), the
+    rows and columns past the adapter's rank (zeroed: a higher-rank adapter may have left values there), and the
+    (module, slice) pairs it covers."""
+
+    def __init__(self, keys: list[str], a: list[torch.Tensor], b: list[torch.Tensor], stale: list[torch.Tensor],
+                 targets: frozenset[Target]) -> None:
+        self.keys, self.a, self.b, self.stale, self.targets = keys, a, b, stale, targets
+
+    @classmethod
+    def build(cls, slots: LoraSlots, slot: int, plan: dict[str, Target], rank: int) -> "_Destination":
+        a_keys, b_keys, a_dst, b_dst, stale = [], [], [], [], []
+        for key, target in plan.items():
+            a, b = slots._stacked(target)
+            if ".lora_A." in key:
+                a_keys.append(key)
+                a_dst.append(a[slot, 0, :rank])
+                if a.shape[-2] > rank:
+                    stale.append(a[slot, 0, rank:])
+            else:
+                b_keys.append(key)
+                b_dst.append(b[slot, 0, :, :rank])
+                if b.shape[-1] > rank:
+                    stale.append(b[slot, 0, :, rank:])
+        return cls(a_keys + b_keys, a_dst, b_dst, stale, frozenset(plan.values()))
 
 
 class _SnapshotModel:
