@@ -58,6 +58,11 @@ LOCAL_MODELS: dict[str, Shape] = {
     "randq-1.5b": Shape(hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, vocab=151936,
                         context=32768, tie_embeddings=True, tokenizer_vocab=4096, wide_init=False,
                         save_dtype="bfloat16"),
+    # Qwen2.5-3B's and -7B's shapes: the ladder for "the largest base that trains and samples on one GPU" (issue 14).
+    "randq-3b": Shape(hidden=2048, layers=36, heads=16, kv_heads=2, intermediate=11008, vocab=151936,
+                      context=32768, tie_embeddings=True, tokenizer_vocab=4096, wide_init=False, save_dtype="bfloat16"),
+    "randq-7b": Shape(hidden=3584, layers=28, heads=28, kv_heads=4, intermediate=18944, vocab=152064,
+                      context=32768, tokenizer_vocab=4096, wide_init=False, save_dtype="bfloat16"),
 }
 
 @dataclass(frozen=True)
