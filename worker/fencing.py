@@ -24,9 +24,9 @@ LEASE_CHECK = "if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end\n"
 # this worker's own name is its own from an acquire whose reply was lost (Redis went away just after it ran): it is
 # adopted, not left to lapse (a worker's name is its own: no other process writes a token with it).
 _ACQUIRE = """
-local held = redis.call('GET', KEYS[1])
-if held then
-  if string.sub(held, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local held = redis.pcall('GET', KEYS[1])  -- a key of another type (written by anyone) is held by no one we know
+  if type(held) == 'string' and string.sub(held, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
     return held
   end
