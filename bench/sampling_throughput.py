@@ -66,14 +66,15 @@ def timed(fn):
     return out, time.perf_counter() - t0
 
 
-def setup_ops(args) -> list:
-    """Create the model and train it one step, so that what is sampled goes through a live adapter."""
+def setup_ops(args, model_id: str = MODEL, base: str | None = None, rank: int | None = None) -> list:
+    """Create the model (args' base and rank unless given) and train it one step, so that what is sampled goes
+    through a live adapter."""
     full = [(11 * j) % 1000 + 3 for j in range(args.prompt_len + 8)]
     datum = Datum(model_input=full[:-1], loss_fn_inputs={"target_tokens": [float(t) for t in full[1:]]})
-    return [CreateModelRequest(model_id=MODEL, base_model=args.model, lora=LoraConfig(rank=args.lora_rank, seed=0,
-                                                                                      train_unembed=False)),
-            ForwardBackwardRequest(model_id=MODEL, data=[datum]),
-            OptimStepRequest(model_id=MODEL, adam_params=AdamParams(learning_rate=1e-3))]
+    lora = LoraConfig(rank=rank or args.lora_rank, seed=0, train_unembed=False)
+    return [CreateModelRequest(model_id=model_id, base_model=base or args.model, lora=lora),
+            ForwardBackwardRequest(model_id=model_id, data=[datum]),
+            OptimStepRequest(model_id=model_id, adam_params=AdamParams(learning_rate=1e-3))]
 
 
 def runtime_settings(args, engine: str) -> dict[str, str]:
@@ -84,25 +85,36 @@ def runtime_settings(args, engine: str) -> dict[str, str]:
 
 
 class Direct:
-    """The engine in this process, called with every request in one sample() call."""
+    """A runtime built in this process (the in-process one, or with `overrides` of its settings another, e.g. the
+    Ray runtime's consumer side), called with every request in one sample() call."""
 
-    def __init__(self, args, tmp: Path, engine: str) -> None:
-        settings = runtime_settings(args, engine)
-        self.rt = build_runtime(RuntimeConfig(checkpoint_root=str(tmp / f"direct-{engine}"), **settings))
-        for op in setup_ops(args):
+    def __init__(self, args, tmp: Path, engine: str, **overrides: str | int) -> None:
+        settings = {"checkpoint_root": str(tmp / f"direct-{engine}"), **runtime_settings(args, engine), **overrides}
+        self.rt = build_runtime(RuntimeConfig(**settings))
+        self.versions: dict[str, int] = {}  # each model's latest synced version
+        self.add_model(setup_ops(args))
+
+    @property
+    def version(self) -> int:
+        return self.versions[MODEL]
+
+    def add_model(self, ops: list) -> None:
+        """Run a model's setup ops, then sync it once (its adapter live in the engine)."""
+        for op in ops:
             self.rt.execute(op)
-        self.version = 0
-        self.sync_ms(None)
+        self.versions[ops[0].model_id] = 0
+        self.sync_ms(None, ops[0].model_id)
 
     def sample(self, requests: list[SampleRequest]) -> float:
-        pinned = [r.model_copy(update={"weights_version": self.version}) for r in requests]
+        pinned = [r.model_copy(update={"weights_version": self.versions[r.model_id]}) for r in requests]
         outputs, seconds = timed(lambda: self.rt.sample(pinned))
+        assert all(o.type == "sample" for o in outputs), outputs[:1]
         return tokens_of(outputs) / seconds
 
-    def sync_ms(self, name: str | None) -> float:
-        self.version += 1
-        output, seconds = timed(lambda: self.rt.execute(WeightSyncRequest(model_id=MODEL, version=self.version,
-                                                                           name=name)))
+    def sync_ms(self, name: str | None, model_id: str = MODEL) -> float:
+        self.versions[model_id] += 1
+        request = WeightSyncRequest(model_id=model_id, version=self.versions[model_id], name=name)
+        output, seconds = timed(lambda: self.rt.execute(request))
         assert output.applied and output.persisted == (name is not None)
         return seconds * 1000
 
@@ -216,10 +228,11 @@ def measure(args, requests, url: str, tmp: Path) -> dict:
             "bytes": weight_bytes(direct), **floors(args, direct)}
 
 
-def weight_bytes(direct: Direct) -> dict[str, int]:
+def weight_bytes(direct: Direct, model_id: str = MODEL) -> dict[str, int]:
+    """The bytes a sync of `model_id` exports (its adapter) and its base model's, from an in-process runtime."""
     trainer = direct.rt.trainer
-    lora = sum(t.numel() * t.element_size() for t in trainer.export_weights(MODEL).tensors.values())
-    base = trainer.models[MODEL].base.model.get_base_model()
+    lora = sum(t.numel() * t.element_size() for t in trainer.export_weights(model_id).tensors.values())
+    base = trainer.models[model_id].base.model.get_base_model()
     full = sum(p.numel() * p.element_size() for n, p in base.named_parameters() if "lora_" not in n)
     return {"lora": lora, "model": full}
 

@@ -34,7 +34,8 @@ def worker(
         min=1, help="span this many devices on Ray (the ray runtime): one bundle each of a placement group "
                     "(GPUs where the cluster has them, else CPUs)")] = None,
     ray_address: Annotated[Optional[str], typer.Option(
-        help="join this Ray cluster (auto: the one on this host; ray://head:10001) rather than start one")] = None,
+        help="join this Ray cluster (auto: the one this host is a node of, after `ray start`) rather than start "
+             "one; not ray:// (Ray Client cannot stream the replicas' results)")] = None,
     burst: Annotated[bool, typer.Option(help="exit once the queues are empty")] = False,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING")] = "INFO",
 ) -> None:

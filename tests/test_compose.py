@@ -2,6 +2,7 @@
 
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import click
@@ -15,7 +16,27 @@ from worker.runtimes import RUNTIMES
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES = SPEC["services"]
-TINKERQ = {name: s for name, s in SERVICES.items() if "build" in s}
+# the services whose process is `tinkerq` (the image's entrypoint, or a shell that execs it)
+TINKERQ = {name: s for name, s in SERVICES.items()
+           if "build" in s and "tinkerq" in " ".join(s.get("entrypoint", ["tinkerq"]))}
+RAY = {name: s for name, s in SERVICES.items() if "ray" in s.get("profiles", [])}
+DEFAULTED = re.compile(r"\$\{(\w+):-([^}]*)\}")
+
+
+def interpolated(value: str) -> str:
+    """`value` as compose reads it with no variable set: ${VAR:-default} is the default, $$ a literal $."""
+    assert "${" not in DEFAULTED.sub("", value), f"{value!r} names a variable without a default"
+    return DEFAULTED.sub(lambda m: m.group(2), value).replace("$$", "$")
+
+
+def flag(args: list[str], name: str) -> str:
+    """The value of `--name=value` or `--name value` in a command line."""
+    for i, arg in enumerate(args):
+        if arg.startswith(f"{name}="):
+            return arg.split("=", 1)[1]
+        if arg == name:
+            return args[i + 1]
+    raise AssertionError(f"{name} not in {args}")
 
 
 def parse_cli(args: list[str]) -> tuple[str, dict]:
@@ -30,6 +51,12 @@ def test_services_present():
     assert {"redis", "api", "worker", "dashboard"} <= set(SERVICES)
 
 
+def test_a_plain_compose_up_runs_what_it_ran_before_the_ray_profile():
+    plain = {name for name, s in SERVICES.items() if not s.get("profiles")}
+    assert plain == {"redis", "api", "worker", "dashboard"}
+    assert set(RAY) == {"ray-head", "worker-ray"}
+
+
 def test_redis_keeps_queued_work_across_restarts():
     command = SERVICES["redis"]["command"]
     assert command[command.index("--appendonly") + 1] == "yes"
@@ -39,7 +66,7 @@ def test_redis_keeps_queued_work_across_restarts():
 @pytest.mark.parametrize("name", sorted(TINKERQ))
 def test_tinkerq_services_run_real_cli_commands_against_the_compose_redis(name):
     service = TINKERQ[name]
-    command, params = parse_cli(service["command"])
+    command, params = parse_cli([interpolated(arg) for arg in service["command"]])
     env = service["environment"]
     assert params["redis_url"] == env["REDIS_URL"]
     assert re.match(r"redis://redis:6379/\d+$", env["REDIS_URL"])
@@ -76,3 +103,64 @@ def test_dashboard_uses_the_json_serializer_and_our_rq_pin():
 def test_image_entrypoint_is_the_cli():
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["tinkerq"]' in dockerfile
+
+
+def pyproject_extras() -> dict[str, list[str]]:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+
+@pytest.mark.parametrize("name", sorted(RAY))
+def test_ray_services_share_an_image_with_the_ray_and_gpu_extras(name):
+    extras = RAY[name]["build"]["args"]["EXTRAS"].split(",")
+    assert {"ray", "vllm", "torch"} <= set(extras)
+    assert set(extras) <= set(pyproject_extras()), "the image asks for an extra pyproject.toml does not define"
+    # head and nodes must run the same Ray and Python: one image, built once
+    assert len({s["image"] for s in RAY.values()}) == 1 and len({str(s["build"]) for s in RAY.values()}) == 1
+
+
+def test_ray_head_starts_a_head_that_keeps_no_bundles():
+    head = SERVICES["ray-head"]
+    assert head["entrypoint"] == ["ray"]
+    args = head["command"]
+    assert args[0] == "start" and "--head" in args and "--block" in args  # --block: the container lives with it
+    # no CPUs or GPUs on the head: the placement group lands on the node holding the GPUs
+    assert flag(args, "--num-gpus") == "0" and flag(args, "--num-cpus") == "0"
+
+
+def ray_worker_script() -> tuple[str, list[str]]:
+    """worker-ray's shell script and its command line as the script's "$@" (after $0)."""
+    entry = SERVICES["worker-ray"]["entrypoint"]
+    assert entry[:2] == ["sh", "-c"] and len(entry) == 4, entry
+    return interpolated(entry[2]), [interpolated(arg) for arg in SERVICES["worker-ray"]["command"]]
+
+
+def test_ray_worker_joins_the_head_as_a_node_then_runs_the_worker_on_it():
+    script, args = ray_worker_script()
+    subprocess.run(["sh", "-n", "-c", script], check=True)  # a syntax error fails here, not in the container
+    steps = [shlex.split(step) for step in script.split("&&")]
+    assert len(steps) == 2, script
+    join, run = steps
+    assert join[:2] == ["ray", "start"] and "--head" not in join
+    host, port = flag(join, "--address").rsplit(":", 1)
+    assert host == "ray-head" and port == flag(SERVICES["ray-head"]["command"], "--port")
+    assert run == ["exec", "tinkerq", "$@"]  # the command line below is what runs, whole
+    command, params = parse_cli(args)
+    assert command == "worker"
+    # Ray Client (ray://) cannot carry streaming actor calls; "auto" is the node the script just started
+    assert params["ray_address"] == "auto"
+    assert params["runtime"] in RUNTIMES and params["shards"] == "auto"
+    assert SERVICES["worker-ray"]["depends_on"]["ray-head"]
+
+
+def test_ray_worker_reserves_as_many_gpus_as_it_places_bundles():
+    worker = SERVICES["worker-ray"]
+    _, args = ray_worker_script()
+    gpus = parse_cli(args)[1]["gpus"]
+    [device] = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert "gpu" in device["capabilities"]
+    assert int(interpolated(str(device["count"]))) == gpus > 1
+    # the same variable sets both, so that one setting changes both
+    assert DEFAULTED.search(str(device["count"])).group(1) == DEFAULTED.search(" ".join(worker["command"])).group(1)
+    assert "stop_grace_period" in worker

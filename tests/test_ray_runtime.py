@@ -199,3 +199,11 @@ def test_remove_model_drops_it_on_every_rank_and_it_can_be_built_again(runtimes)
         rt.execute(ForwardBackwardRequest(model_id=model, data=data, loss_fn="importance_sampling"))
         rt.execute(OptimStepRequest(model_id=model, adam_params=AdamParams(learning_rate=0.05)))
     assert same_adapter(adapter(local, model), adapter(distributed, model))
+
+
+def test_a_ray_client_address_is_refused_before_ray_starts(monkeypatch):
+    """Ray Client cannot stream actor results (every sample comes back that way): the worker refuses it at
+    start, naming what to do instead, rather than failing its first sample."""
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init called for a ray:// address"))
+    with pytest.raises(ValueError, match="--ray-address auto"):
+        cluster.connect("ray://head:10001")

@@ -429,3 +429,22 @@ def test_the_syncs_fast_export_is_peft_state_dict_exactly_and_a_copy(rt, base, t
     train_step(rt, model, lr=5e-2)
     assert all(torch.equal(fast.tensors[k], v) for k, v in kept.items())  # the snapshot did not move
     assert any(not torch.equal(t, kept[k]) for k, t in rt.trainer.export_weights(model).tensors.items())
+
+
+def test_an_exported_adapter_pickles_each_storage_once():
+    """Ray carries every sync to the engine replicas pickled; AdapterExport's tensors are views of one buffer, which
+    plain pickle writes whole once per tensor (a sync of n tensors moved n times the adapter's bytes)."""
+    import pickle
+
+    from peft import LoraConfig as PeftLoraConfig
+
+    from worker.torch_runtime.lora_io import LoraWeights
+
+    flat = torch.arange(40 * 256, dtype=torch.float32)
+    views = {f"layer.{i}.lora_A.weight": part.view(16, 16) for i, part in enumerate(flat.split(256))}
+    weights = LoraWeights(PeftLoraConfig(r=16), {**views, "own": torch.ones(3, 5)})
+    data = pickle.dumps(weights)
+    assert len(data) < 1.2 * (flat.numel() + 15) * 4 + 4096
+    back = pickle.loads(data)
+    assert list(back.tensors) == list(weights.tensors) and back.config == weights.config
+    assert all(torch.equal(back.tensors[k], t) and back.tensors[k].shape == t.shape for k, t in weights.tensors.items())

@@ -105,7 +105,8 @@ class RuntimeConfig(BaseSettings):
     # One worker across many devices, on Ray (worker/ray_runtime): the bundles of its placement group (one GPU
     # each where the cluster has GPUs, else one CPU each); 0, with no ray_address, is the in-process runtime.
     ray_gpus: int = Field(0, ge=0)
-    # Join this Ray cluster ("auto": the one on this host; "ray://head:10001"); empty: start a local one.
+    # Join this Ray cluster ("auto": the one this host is a node of; "head:6379"); empty: start a local one. Not
+    # Ray Client (ray://): it cannot stream results from actors.
     ray_address: str = ""
     # The Ray namespace of this worker's actors, named engine-<i> and trainer-<i> in it (ray.get_actor finds
     # them: operators, the fault tests); empty: tinkerq-<host>-<pid>, one per worker process.

@@ -18,6 +18,12 @@ def connect(address: str | None, cpus: int | None = None, namespace: str = "") -
     """Join the cluster at `address` ("auto": the one on this host), or start a local one of `cpus` CPUs; False
     if this process was connected already (whoever connected it disconnects it).
     The worker's TINKERQ_* settings and PYTHONPATH go to every actor, so they build what the consumer would."""
+    if address and address.startswith("ray://"):
+        # Ray Client refuses streaming actor calls, which carry every sample's result (engines.py): refuse at
+        # start rather than fail the first sample.
+        raise ValueError(f"--ray-address {address}: Ray Client (ray://) cannot stream the engine replicas' results; "
+                         "run the worker on a node of the cluster (`ray start --address HEAD:6379` there) with "
+                         "--ray-address auto")
     if ray.is_initialized():
         return False
     namespace = namespace or f"tinkerq-{socket.gethostname()}-{os.getpid()}"

@@ -28,6 +28,10 @@ from worker.ray_runtime.data_parallel import assignment, merged, part
 from worker.runtime.base import Trainer
 
 CALL_TIMEOUT_S = 1800.0  # one training call; longer is an infrastructure fault (the consumer's RQ job fails)
+# How a sync's weights reach the engine replicas, named for reports (bench/ray_scaling.py prints it): rank 0's
+# export is a task return value, kept once by Ray (in its shared-memory object store; one under 100 KiB travels
+# inline in the reply instead) and read by every replica. No CUDA IPC or NCCL yet.
+WEIGHT_TRANSPORT = "ray-object-store"
 
 
 def _all(refs: list[ray.ObjectRef]) -> list[Any]:

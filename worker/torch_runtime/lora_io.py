@@ -22,6 +22,35 @@ class LoraWeights:
     config: LoraConfig
     tensors: dict[str, torch.Tensor]
 
+    def __reduce__(self) -> tuple:
+        # Pickled (Ray's object store carries every sync to the engine replicas) as each storage once plus where
+        # each tensor lies in it: pickle writes a tensor's whole storage per tensor, and AdapterExport's tensors are
+        # views of one buffer, so a sync of n tensors moved n times the adapter's bytes.
+        return _unpacked, (self.config, *_packed(self.tensors))
+
+
+# (key, buffer index, storage offset, shape, stride) of each tensor
+Layout = list[tuple[str, int, int, tuple[int, ...], tuple[int, ...]]]
+
+
+def _packed(tensors: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], Layout]:
+    buffers: list[torch.Tensor] = []
+    index: dict[tuple, int] = {}
+    layout: Layout = []
+    for key, tensor in tensors.items():
+        storage = tensor.untyped_storage()
+        ident = (storage.data_ptr(), tensor.dtype, tensor.device)
+        if ident not in index:
+            index[ident] = len(buffers)
+            buffers.append(torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(storage))
+        layout.append((key, index[ident], tensor.storage_offset(), tuple(tensor.shape), tensor.stride()))
+    return buffers, layout
+
+
+def _unpacked(config: LoraConfig, buffers: list[torch.Tensor], layout: Layout) -> "LoraWeights":
+    return LoraWeights(config, {key: buffers[i].as_strided(shape, stride, offset)
+                                for key, i, offset, shape, stride in layout})
+
 
 def export_adapter(base: LoadedBase, adapter: str) -> LoraWeights:
     state = get_peft_model_state_dict(base.model, adapter_name=adapter)
