@@ -124,6 +124,10 @@ class Engine(ABC):
         called while a batch runs, and the next sync's eviction bounds the count again. False: not possible here."""
         return False
 
+    def warm(self, base_model: str) -> None:  # noqa: B027 - optional
+        """Start what serving models of `base_model` needs (an engine, its weights) now rather than on first use:
+        a standby warms the bases it may take over (worker/preload.py). DomainError for a base not served here."""
+
     def check_base(self, base_model: str) -> None:
         """Raise DomainError unless this engine can serve samples of the bare base model (no adapter)."""
         raise DomainError(400, "unsupported", "this engine does not sample bare base models")
@@ -175,6 +179,10 @@ class Trainer(ABC):
 
     def base_model(self, model_id: str) -> str:
         return model_id
+
+    def warm(self, base_model: str) -> None:  # noqa: B027 - optional
+        """Load `base_model` now rather than at the first create or restore on it (a standby, worker/preload.py).
+        DomainError for a base this deployment does not serve."""
 
     @abstractmethod
     def remove_model(self, model_id: str) -> None:

@@ -100,6 +100,12 @@ class Runtime:
         self.engine.add_model(model_id, self.trainer.base_model(model_id), weights)
         self._applied[model_id] = 0
 
+    def warm(self, base_model: str) -> None:
+        """Load the base into the trainer and start its engine before any model of it is served here, so a shard
+        taken over later pays neither (worker/preload.py). DomainError for a base this deployment does not serve."""
+        self.trainer.warm(base_model)
+        self.engine.warm(base_model)
+
     def forget(self, model_id: str) -> None:
         """Drop the model from this worker's memory (a stale copy, about to be rebuilt from its journal)."""
         self.trainer.remove_model(model_id)

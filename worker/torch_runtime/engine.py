@@ -47,6 +47,9 @@ class TorchEngine(Engine):
         for name in self.snapshots.pop(model_id, {}).values():
             base.delete_adapter(name)
 
+    def warm(self, base_model: str) -> None:
+        self.bases.get(base_model)  # the trainer's base is this engine's too
+
     def check_base(self, base_model: str) -> None:
         self.bases.get(base_model)  # loads it; DomainError for a base this deployment does not serve
 

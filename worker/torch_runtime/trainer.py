@@ -87,6 +87,9 @@ class TorchTrainer(Trainer):
     def base_model(self, model_id: str) -> str:
         return self.models[model_id].base.name
 
+    def warm(self, base_model: str) -> None:
+        self.bases.get(base_model)  # DomainError for a base this deployment does not serve
+
     def remove_model(self, model_id: str) -> None:
         trained = self.models.pop(model_id, None)
         if trained is not None:
