@@ -169,6 +169,73 @@ def test_a_checkpoint_holds_pending_gradients_and_every_live_snapshot(r, config,
         assert a.sequences[0].logprobs == pytest.approx(b.sequences[0].logprobs, abs=1e-5)
 
 
+def test_a_checkpoint_is_written_off_the_step_and_trims_the_journal_only_once_the_file_is_whole(r, config, tmp_path,
+                                                                                               monkeypatch):
+    """TINKERQ_DURABLE_ASYNC: the step that makes a checkpoint due copies the state and returns; the file is written
+    on a side thread while the next steps run (held here until the test lets it finish), and the journal keeps
+    every entry until it is complete and recorded. What it holds is the state at its step, not at its write."""
+    import threading
+
+    import worker.torch_runtime.trainer as trainer_module
+
+    gate, entered, writers, problems = threading.Event(), threading.Event(), [], []
+    real_write = trainer_module.write_archive
+
+    def held_write(source, target, compress=True):  # noqa: ANN001, ANN202 - the real write, once the test allows
+        writers.append(threading.current_thread())
+        entered.set()
+        gate.wait(60)
+        return real_write(source, target, compress)
+
+    monkeypatch.setattr(trainer_module, "write_archive", held_write)
+    config = with_period(config, 2)
+    assert config.durable_async
+    producer = Producer(r, config)
+    model = "async:train:0"
+    journal = Journal(r)
+    ops = training(model, 3, seed=5, sample=False)  # the checkpoint falls due at step 2's optim_step (entry 5)
+    tickets = [producer.submit(op) for op in ops]
+
+    def while_written() -> None:
+        try:
+            assert entered.wait(120), "no checkpoint write began"
+            # the step's result is published and the steps after it run while the file is being written ...
+            wait_until(lambda: journal.length(model) == 10, 60, "step 3 journaled during the write")
+            assert producer.get(tickets[5].request_id).type == "optim_step"
+            # ... and the journal keeps every entry: nothing is trimmed before the file is complete and recorded
+            assert journal.listed(model) == 10 and journal.checkpoint(model) is None
+            assert not list((tmp_path / "ckpt").rglob("j6-*.tar"))
+        except BaseException as exc:  # noqa: BLE001 - reported by the test's own thread
+            problems.append(exc)
+        finally:
+            gate.set()
+
+    watcher = threading.Thread(target=while_written, daemon=True)
+    watcher.start()
+    owner = burst_worker(r, config, tmp_path, runtime="torch", engine="torch")
+    owner.run(burst=True, logging_level="WARNING")  # its stop waits for the write in flight
+    watcher.join(10)
+    assert not problems, problems
+    assert writers and all(t is not threading.main_thread() for t in writers)  # never on the step's thread
+    assert all(producer.get(t.request_id).type != "error" for t in tickets)
+    checkpoint = journal.checkpoint(model)
+    assert checkpoint is not None and Path(checkpoint.path).is_file() and Path(checkpoint.path).name.startswith("j6-")
+    assert journal.length(model) == 10 and journal.listed(model) == 4  # step 2's sync and step 3 stay
+    assert journal.steps_since_checkpoint(model) == 1
+
+    fence = Fence(r, "owner", 3000)
+    shard = producer.shard_of(model)
+    assert fence.acquire([shard]) == [shard]
+    # an older checkpoint (entries up to 4) recorded after it would drop nothing and replace nothing
+    assert not fence.trim_journal(shard, journal.key(model), journal.base_key(model), 4, checkpoint.model_dump_json(), 1)
+    fence.release()
+
+    fresh = torch_runtime(tmp_path)
+    assert Restorer(r, fresh, journal).ensure(model) is None  # the checkpoint (step 2), then the tail (step 3)
+    assert_same(tensors(owner.dispatcher.runtime, model), tensors(fresh, model))
+    assert fresh.engine.live_versions(model) == owner.dispatcher.runtime.engine.live_versions(model)
+
+
 def test_what_cannot_be_rebuilt_is_named(r, config, tmp_path):
     producer = Producer(r, config)
     model, other = "named:train:0", "gone:train:0"

@@ -63,7 +63,7 @@ class Dispatcher:
         self.stopping = threading.Event()  # set when the worker is asked to stop: running batches admit no more
         self.journal = Journal(connection)
         self.restorer = Restorer(connection, runtime, self.journal)
-        self.checkpointer = Checkpointer(runtime, fence, self.journal, config.durable_every)
+        self.checkpointer = Checkpointer(runtime, fence, self.journal, config.durable_every, config.durable_async)
         self.sequencer = Sequencer(connection, fence, config.seq_gap_timeout_s, self._execute, self.finish,
                                    self.admission)
 

@@ -154,6 +154,7 @@ class WorkerProcess:
             try:
                 if self.draining.is_set():
                     self._make_durable()
+                self._finish_checkpoint()
             finally:
                 self._keeper_stop.set()
                 keeper.join(timeout=5)
@@ -165,6 +166,14 @@ class WorkerProcess:
                     self.connection.delete(keys.drain_key(self.name))  # tells `tinkerq drain` it is done
             except REDIS_DOWN as exc:  # the leases lapse on their own after their TTL
                 log.warning("worker %s could not release its leases (%s)", self.name, exc)
+
+    def _finish_checkpoint(self) -> None:
+        """A checkpoint still being written is recorded before the leases go (its trim is fenced), for at most the
+        stop's grace: one cut off leaves the journal whole, as a kill would."""
+        checkpointer = self.dispatcher.checkpointer
+        if checkpointer.writing() and not checkpointer.wait(self.config.stop_grace_s):
+            log.warning("worker %s: a durable checkpoint still being written after %g s is left unrecorded",
+                        self.name, self.config.stop_grace_s)
 
     def _make_durable(self) -> None:
         """A drain: checkpoint every model held here, so the next owner loads each instead of replaying it."""
