@@ -80,14 +80,19 @@ def timed(worker: WorkerProcess, times: dict[str, list[float]]) -> None:
     worker.dispatcher.sequencer.execute = each
 
 
-def run(r: Redis, runtime, durable: bool, model_id: str, times: dict, every: int = 0, background: bool = True) -> None:
+def run(r: Redis, runtime, durable: bool, model_id: str, times: dict, every: int = 0, background: bool = True) -> float:
+    """One model's create + steps; the seconds its training ops took in all (what a round costs this arm)."""
     config = QueueConfig(num_shards=1, durable=durable, durable_every=every, durable_async=background)
     producer = Producer(r, config)
     worker = WorkerProcess(r, runtime, config)
-    timed(worker, times)
+    mine: dict[str, list[float]] = {}
+    timed(worker, mine)
     for op in ops(model_id, ARGS.steps, ARGS.batch, ARGS.length, ARGS.rank):
         producer.submit(op)
     worker.run(burst=True, logging_level="WARNING")
+    for kind, values in mine.items():
+        times.setdefault(kind, []).extend(values)
+    return sum(mine.get("forward_backward", [])) + sum(mine.get("optim_step", []))
 
 
 def write_costs(r: Redis, request, n: int = 300) -> dict[str, float]:
@@ -126,11 +131,13 @@ def main() -> None:
         arms = {"off": (False, 0, False), "journal": (True, 0, False), "checkpoints": (True, ARGS.every, False),
                 "async": (True, ARGS.every, True)}
         times: dict[str, dict] = {arm: {} for arm in arms}
+        totals: dict[str, list[float]] = {arm: [] for arm in arms}  # per round: robust to one round's spike
         run(r, runtime, True, "warmup:train:0", {}, ARGS.every)
         for i in range(ARGS.rounds):  # interleaved, each round in another order: drift hits every arm alike
             order = list(arms)[i % len(arms):] + list(arms)[:i % len(arms)]
             for arm in order:
-                run(r, runtime, arms[arm][0], f"m{i}-{arm}:train:0", times[arm], arms[arm][1], arms[arm][2])
+                totals[arm].append(run(r, runtime, arms[arm][0], f"m{i}-{arm}:train:0", times[arm], arms[arm][1],
+                                       arms[arm][2]))
         journal_bytes = sum(len(e) for e in r.lrange(Journal.key("m0-journal:train:0"), 0, -1))
         tail = Journal(r).listed("m0-checkpoints:train:0")
         writes = write_costs(r, ops("w:train:0", 1, ARGS.batch, ARGS.length, ARGS.rank)[1])
@@ -172,10 +179,13 @@ def main() -> None:
     step_p50 = sum(row["off_p50_ms"] for row in rows)
     checkpoint_ms = statistics.median(checkpoint_s) * 1e3
     capture_ms, write_ms = statistics.median(capture_s) * 1e3, statistics.median(write_s) * 1e3
+    round_ms = {arm: statistics.median(values) * 1e3 / ARGS.steps for arm, values in totals.items()}
     out = {"machine": platform.platform(), "python": platform.python_version(), "args": vars(ARGS), "ops": rows,
            "step_mean_ms": step, "journal_ratio": step["journal"] / step["off"],
            "checkpoints_ratio": step["checkpoints"] / step["off"], "async_ratio": step["async"] / step["off"],
            "capture_ms_p50": capture_ms, "write_ms_p50": write_ms,
+           "step_ms_median_round": round_ms, "round_totals_s": totals,
+           "round_ratio": {arm: round_ms[arm] / round_ms["off"] for arm in arms},
            "journal_bytes_per_model": journal_bytes,
            "journal_entries_after_checkpoints": tail,
            "restore_s_p50": {arm: statistics.median(v) for arm, v in restores.items()}, "writes": writes,
@@ -190,6 +200,8 @@ def main() -> None:
     print(f"| fb + optim_step (mean) | {step['off']:.2f} | {step['journal']:.2f} ({out['journal_ratio']:.3f}x) | "
           f"{step['checkpoints']:.2f} ({out['checkpoints_ratio']:.3f}x) | "
           f"{step['async']:.2f} ({out['async_ratio']:.3f}x) |")
+    print("| fb + optim_step, a round's total / steps (median of rounds) | " + " | ".join(
+        f"{round_ms[a]:.2f} ({round_ms[a] / round_ms['off']:.3f}x)" for a in arms) + " |")
     print(f"one checkpoint ({archive_bytes / 1024:.0f} KiB archive): {checkpoint_ms:.1f} ms p50 of 5; every "
           f"{ARGS.every} steps that is {checkpoint_ms / ARGS.every:.2f} ms per step, "
           f"{100 * out['checkpoint_share_of_step']:.1f}% of the step's p50 ({step_p50:.1f} ms, durability off); "

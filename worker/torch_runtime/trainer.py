@@ -258,8 +258,11 @@ class TorchTrainer(Trainer):
         trained = self.models[model_id]
         live = {"adapter": self.export_weights(model_id).tensors, "optimizer": trained.optimizer.state_dict(),
                 "grads": {i: p.grad for i, p in enumerate(trained.params) if p.grad is not None},
-                "snapshots": {version: weights.tensors for version, weights in snapshots.items()}}
-        copied, host = tree_to_host(live)
+                **{f"snapshot-{version}": weights.tensors for version, weights in snapshots.items()}}
+        # a host buffer per part: torch.save writes whole storages, so the optimizer's file must hold only its own
+        copies = {part: tree_to_host(tree) for part, tree in live.items()}
+        copied = {part: tree for part, (tree, _) in copies.items()}
+        ready = [host for _, host in copies.values()]
         config = trained.base.model.peft_config[trained.adapter]
         state = {"model_id": model_id, "base_model": trained.base.name, "lora": trained.spec.model_dump(),
                  "snapshots": sorted(snapshots)}
@@ -267,7 +270,8 @@ class TorchTrainer(Trainer):
         base_path = trained.base.path
 
         def write(name: str) -> str:
-            host.wait()  # the copies into pinned memory (a GPU's) have landed
+            for host in ready:
+                host.wait()  # the copies into pinned memory (a GPU's) have landed
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp)
                 save_adapter(LoraWeights(config, copied["adapter"]), out, base_path)
@@ -275,9 +279,10 @@ class TorchTrainer(Trainer):
                 torch.save(copied["optimizer"], out / "optimizer.pt")
                 if copied["grads"]:
                     torch.save(copied["grads"], out / "grads.pt")
-                for version, tensors in copied["snapshots"].items():
+                for version, config_of in configs.items():
                     (out / "snapshots" / str(version)).mkdir(parents=True)
-                    save_adapter(LoraWeights(configs[version], tensors), out / "snapshots" / str(version), base_path)
+                    save_adapter(LoraWeights(config_of, copied[f"snapshot-{version}"]), out / "snapshots" / str(version),
+                                 base_path)
                 target = paths.checkpoint_file(self.root, model_id, "durable", name, ".tar")
                 return str(write_archive(out, target, compress=False))
 
