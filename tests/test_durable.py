@@ -358,7 +358,15 @@ def sigkilled_run(r, config, start_worker, steps: int, **env: str) -> None:
     versions = [out.weights_version for out in outs if out.type == "sample"]
     assert versions == list(range(1, steps + 1))  # each sample is served on the sync before it, across the kill
 
-    # the same requests, never interrupted (the standby serves them), then both adapters saved and compared
+    assert_as_uninterrupted(producer, steps)
+    rebuilt = ("survivor:train:0: replaying journal entries", "survivor:train:0: loading its checkpoint")
+    assert any(line in standby.output() for line in rebuilt)  # it was rebuilt there
+    for shard in range(config.num_shards):  # nothing left queued or in flight: every request ended once
+        assert r.llen(keys.queue_key(shard)) == 0 and r.llen(keys.inflight_key(shard)) == 0
+
+
+def assert_as_uninterrupted(producer: Producer, steps: int) -> None:
+    """survivor:train:0's adapter equals that of the same requests never interrupted (served by the live worker)."""
     reference = [(op, producer.submit(op)) for op in training("reference:train:0", steps)]
     assert not [out for out in answered(producer, reference, 300) if isinstance(out, ErrorResponse)]
     saves = [producer.submit(SaveStateRequest(model_id=m, seq_id=3 * steps + 1, name="end"))
@@ -369,10 +377,6 @@ def sigkilled_run(r, config, start_worker, steps: int, **env: str) -> None:
     for name in survivor:
         assert torch.allclose(survivor[name], uninterrupted[name], atol=1e-5), name
     assert any(bool(v.abs().sum() > 0) for k, v in survivor.items() if "lora_B" in k)  # trained (B starts at 0)
-    rebuilt = ("survivor:train:0: replaying journal entries", "survivor:train:0: loading its checkpoint")
-    assert any(line in standby.output() for line in rebuilt)  # it was rebuilt there
-    for shard in range(config.num_shards):  # nothing left queued or in flight: every request ended once
-        assert r.llen(keys.queue_key(shard)) == 0 and r.llen(keys.inflight_key(shard)) == 0
 
 
 @pytest.mark.slow
@@ -392,6 +396,37 @@ def test_a_run_longer_than_the_checkpoint_period_survives_a_sigkill_with_its_jou
         assert journal.listed(model) <= 3 * 2, journal.listed(model)
         latest = Path(journal.checkpoint(model).path)
         assert [p.name for p in latest.parent.iterdir()] == [latest.name]  # the ones it replaced are deleted
+
+
+@pytest.mark.slow
+def test_an_owner_sigkilled_while_it_writes_a_checkpoint_leaves_the_whole_journal(r, config, start_worker, tmp_path):
+    """The write off the step (TINKERQ_DURABLE_ASYNC) cut off by SIGKILL: the results it covers are published, yet
+    nothing was trimmed, so the standby rebuilds the model from the whole journal and the run ends as an
+    uninterrupted one."""
+    from faulty_runtime import HOLD_WRITES
+
+    hold = tmp_path / "hold-writes"
+    hold.mkdir()
+    (hold / "hold").touch()
+    owner = start_worker(TINKERQ_RUNTIME="faulty_runtime:held_writes", TINKERQ_DURABLE_EVERY="2",
+                         **{HOLD_WRITES: str(hold)})
+    wait_until(lambda: owns_all(r, config), 120, "the first worker's leases")
+    standby = start_worker(TINKERQ_RUNTIME="torch", TINKERQ_DURABLE_EVERY="2")
+    producer, journal, model = Producer(r, config), Journal(r), "survivor:train:0"
+    tickets = [(op, producer.submit(op)) for op in training(model, 4)]
+    wait_until(lambda: (hold / "writing").exists(), 300, "the owner's checkpoint write (after step 2)")
+    wait_until(lambda: journal.length(model) >= 8, 120, "step 3 journaled while the write is held")
+    owner.kill(signal.SIGKILL)
+    assert journal.checkpoint(model) is None and journal.listed(model) == journal.length(model)
+    assert not list(tmp_path.rglob("durable/j*.tar"))  # no checkpoint file was completed
+
+    outs = answered(producer, tickets, 300)
+    assert standby.alive(), standby.output()
+    assert not [out for out in outs if isinstance(out, ErrorResponse)]
+    assert [out.weights_version for out in outs if out.type == "sample"] == [1, 2, 3, 4]
+    assert f"{model}: replaying journal entries 0.." in standby.output()  # from create_model: nothing was trimmed
+    assert_as_uninterrupted(producer, 4)
+    assert journal.length(model) == 1 + 3 * 4
 
 
 @pytest.mark.slow
