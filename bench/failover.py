@@ -1,6 +1,7 @@
 """How long a dead worker's requests wait: SIGKILL of the shard owner to the first result served by the standby.
 
     python bench/failover.py [--rounds 5] [--lease-ttl-ms 3000] [--train-steps 5] [--runtime reference]
+                             [--preload auto] [--standby-log-level INFO]
 
 Each round, on a private redis-server: worker A takes every shard, worker B stands by; a model is created and
 trained `--train-steps` steps (forward_backward + optim_step) and synced, so the standby must rebuild it from its
@@ -11,9 +12,16 @@ lapses. Also timed: the first result of a sample submitted after the kill, which
 (50 samples a second for a TTL) and so measures the engine's catching up too. Every sample
 submitted around the kill must get exactly one result, none an error. Prints a table and writes
 bench/results/failover.json and a PNG of the per-round times against the TTL.
+
+The standby warms the model's base (TINKERQ_PRELOAD_BASES, `--preload`; default auto: the bases of the models on
+the shards it may take) once the model exists; with the torch runtime the kill waits for its log to say so, so the
+round times the takeover and not the standby's start. `--preload none` times the lazy start. From the standby's log
+(at `--standby-log-level INFO`) each round also gets when, after the kill, it owned the shards and began the model's
+restore.
 """
 
 import argparse
+import datetime
 import json
 import platform
 import statistics
@@ -62,6 +70,23 @@ def served(producer: Producer, request_id: str, timeout_s: float = 120):
     return out
 
 
+def log_times(text: str, after: float) -> dict[str, float]:
+    """Seconds from `after` (a wall-clock time) to the first line of each event in a standby's log."""
+    events = {"owned_s": "now owns shards", "restore_s": ("replaying journal entries", "loading its checkpoint")}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        try:
+            stamp = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        except ValueError:
+            continue
+        if stamp < after:
+            continue
+        for name, marks in events.items():
+            if name not in out and any(mark in line for mark in ([marks] if isinstance(marks, str) else marks)):
+                out[name] = stamp - after
+    return out
+
+
 def train(producer: Producer, model: str, steps: int, base: str) -> None:
     ops = [CreateModelRequest(model_id=model, base_model=base, lora=LoraConfig(rank=4))]  # a real model's needs
     datum = Datum(model_input=[1, 2, 3], loss_fn_inputs={"target_tokens": [2.0, 3.0, 4.0]})
@@ -76,23 +101,26 @@ def train(producer: Producer, model: str, steps: int, base: str) -> None:
 def one_round(args, redis: Redis, url: str, workdir: Path, index: int) -> dict:
     config = QueueConfig(num_shards=args.shards, lease_ttl_ms=args.lease_ttl_ms)
     env = {"TINKERQ_RUNTIME": args.runtime, "TINKERQ_NUM_SHARDS": str(args.shards),
-           "TINKERQ_LEASE_TTL_MS": str(args.lease_ttl_ms), "TINKERQ_CHECKPOINT_ROOT": str(workdir)}
+           "TINKERQ_LEASE_TTL_MS": str(args.lease_ttl_ms), "TINKERQ_CHECKPOINT_ROOT": str(workdir),
+           "TINKERQ_PRELOAD_BASES": args.preload}
     redis.flushdb()
 
-    def start() -> TinkerqProc:
-        return TinkerqProc(["worker", "--redis-url", url, "--log-level", "WARNING"], env, workdir)
+    def start(level: str = "WARNING") -> TinkerqProc:
+        return TinkerqProc(["worker", "--redis-url", url, "--log-level", level], env, workdir)
 
     owner, standby = start(), None
     producer = Producer(redis, config)
     try:
         wait_until(lambda: all(r.owner for r in shard_rows(redis, args.shards)), 60, "A's leases")
-        standby = start()
+        standby = start(args.standby_log_level)
         # B is standing by once its runtime is loaded and it talks to Redis (its connections carry its pid in their
         # name): a kill before that would time B's start-up, not the takeover
         wait_until(lambda: any(f"-{standby.proc.pid}-" in (c.get("name") or "") for c in redis.client_list()), 120,
                    "B standing by")
         model = f"failover:train:{index}"
         train(producer, model, args.train_steps, args.base)
+        if args.runtime != "reference" and args.preload != "none" and args.standby_log_level in ("INFO", "DEBUG"):
+            wait_until(lambda: f"warmed base model {args.base}" in standby.output(), 120, "B warming its base")
         sample = SampleRequest(model_id=model, prompt_tokens=[1, 2], sampling_params=SamplingParams(max_tokens=2))
         tickets: list[tuple[float, str]] = []
         stop = threading.Event()
@@ -105,7 +133,7 @@ def one_round(args, redis: Redis, url: str, workdir: Path, index: int) -> dict:
         feeder = threading.Thread(target=stream, daemon=True)
         feeder.start()
         time.sleep(0.5)
-        killed = time.monotonic()
+        killed, killed_wall = time.monotonic(), time.time()
         owner.kill()  # returns once A is dead: every result stored from now on is B's
         done = {rid for _, rid in list(tickets) if redis.exists(keys.result_key(rid))}
         first = after = None
@@ -126,7 +154,8 @@ def one_round(args, redis: Redis, url: str, workdir: Path, index: int) -> dict:
         lost = sum(o is None for o in outs)
         return {"round": index, "first_result_s": None if first is None else first - killed,
                 "backlog_served_s": None if after is None else after - killed,
-                "samples": len(tickets), "errors": errors, "lost": lost}
+                "samples": len(tickets), "errors": errors, "lost": lost,
+                **log_times(standby.output(), killed_wall), "standby_log": str(standby.log_path)}
     finally:
         producer.close()
         for proc in (owner, standby):
@@ -162,6 +191,8 @@ def main() -> None:
     parser.add_argument("--train-steps", type=int, default=5)
     parser.add_argument("--runtime", default="reference")
     parser.add_argument("--base", default="ref")
+    parser.add_argument("--preload", default="auto", help="the standby's TINKERQ_PRELOAD_BASES (none: start lazily)")
+    parser.add_argument("--standby-log-level", default="INFO")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "failover.json"))
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="tinkerq-failover-"))
@@ -171,7 +202,9 @@ def main() -> None:
         for index in range(args.rounds):
             rows.append(one_round(args, redis, server.url, workdir, index))
             r = rows[-1]
-            print(f"round {index}: B's first result {r['first_result_s']:.2f} s after SIGKILL, the backlog served "
+            print(f"round {index}: B's first result {r['first_result_s']:.2f} s after SIGKILL (it owned the shards "
+                  f"at {r.get('owned_s', float('nan')):.2f} s, began the restore at "
+                  f"{r.get('restore_s', float('nan')):.2f} s), the backlog served "
                   f"{r['backlog_served_s']:.2f} s after; {r['samples']} samples, "
                   f"{len(r['errors'])} errors, {r['lost']} without a result", flush=True)
     ttl_s = args.lease_ttl_ms / 1000
@@ -179,7 +212,9 @@ def main() -> None:
     backlog = [r["backlog_served_s"] for r in rows if r["backlog_served_s"] is not None]
     summary = {"lease_ttl_s": ttl_s, "median_s": statistics.median(times), "max_s": max(times),
                "backlog_served_median_s": statistics.median(backlog),
-               "max_over_ttl": max(times) / ttl_s, "errors": sum(len(r["errors"]) for r in rows),
+               "max_over_ttl": max(times) / ttl_s, "median_over_ttl": statistics.median(times) / ttl_s,
+               **{f"{event}_median": statistics.median(r[event] for r in rows if event in r)
+                  for event in ("owned_s", "restore_s") if any(event in r for r in rows)}, "errors": sum(len(r["errors"]) for r in rows),
                "lost": sum(r["lost"] for r in rows)}
     print(f"\n{'lease TTL s':>11} {'median s':>9} {'max s':>7} {'max / TTL':>9} {'backlog s':>9} {'errors':>6} "
           f"{'lost':>5}")

@@ -47,3 +47,34 @@ class SlowCreateTrainer(ReferenceTrainer):
 
 def make(config: RuntimeConfig) -> Runtime:
     return Runtime(SlowCreateTrainer(Path(config.checkpoint_root)), FaultyEngine(config.max_snapshots))
+
+
+HOLD_WRITES = "TINKERQ_TEST_HOLD_WRITES"  # a folder: durable checkpoint writes wait while it holds a file `hold`
+
+
+def held_writes(config: RuntimeConfig) -> Runtime:
+    """The torch runtime, whose durable checkpoints are captured as usual but whose writes (on the side thread)
+    touch `writing` in the HOLD_WRITES folder, then wait while `hold` is there (at most 120 s): a test can kill the
+    worker mid-write (loaded as `faulty_runtime:held_writes`)."""
+    import os
+
+    from worker.torch_runtime.assembly import make_runtime
+
+    runtime = make_runtime(config)
+    folder = Path(os.environ[HOLD_WRITES])
+    capture = runtime.trainer.durable_writer
+
+    def durable_writer(model_id, snapshots):  # noqa: ANN001, ANN202
+        write = capture(model_id, snapshots)
+
+        def held(name: str) -> str:
+            (folder / "writing").touch()
+            deadline = time.monotonic() + 120
+            while (folder / "hold").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return write(name)
+
+        return held
+
+    runtime.trainer.durable_writer = durable_writer
+    return runtime

@@ -169,6 +169,73 @@ def test_a_checkpoint_holds_pending_gradients_and_every_live_snapshot(r, config,
         assert a.sequences[0].logprobs == pytest.approx(b.sequences[0].logprobs, abs=1e-5)
 
 
+def test_a_checkpoint_is_written_off_the_step_and_trims_the_journal_only_once_the_file_is_whole(r, config, tmp_path,
+                                                                                               monkeypatch):
+    """TINKERQ_DURABLE_ASYNC: the step that makes a checkpoint due copies the state and returns; the file is written
+    on a side thread while the next steps run (held here until the test lets it finish), and the journal keeps
+    every entry until it is complete and recorded. What it holds is the state at its step, not at its write."""
+    import threading
+
+    import worker.torch_runtime.trainer as trainer_module
+
+    gate, entered, writers, problems = threading.Event(), threading.Event(), [], []
+    real_write = trainer_module.write_archive
+
+    def held_write(source, target, compress=True):  # noqa: ANN001, ANN202 - the real write, once the test allows
+        writers.append(threading.current_thread())
+        entered.set()
+        gate.wait(60)
+        return real_write(source, target, compress)
+
+    monkeypatch.setattr(trainer_module, "write_archive", held_write)
+    config = with_period(config, 2)
+    assert config.durable_async
+    producer = Producer(r, config)
+    model = "async:train:0"
+    journal = Journal(r)
+    ops = training(model, 3, seed=5, sample=False)  # the checkpoint falls due at step 2's optim_step (entry 5)
+    tickets = [producer.submit(op) for op in ops]
+
+    def while_written() -> None:
+        try:
+            assert entered.wait(120), "no checkpoint write began"
+            # the step's result is published and the steps after it run while the file is being written ...
+            wait_until(lambda: journal.length(model) == 10, 60, "step 3 journaled during the write")
+            assert producer.get(tickets[5].request_id).type == "optim_step"
+            # ... and the journal keeps every entry: nothing is trimmed before the file is complete and recorded
+            assert journal.listed(model) == 10 and journal.checkpoint(model) is None
+            assert not list((tmp_path / "ckpt").rglob("j6-*.tar"))
+        except BaseException as exc:  # noqa: BLE001 - reported by the test's own thread
+            problems.append(exc)
+        finally:
+            gate.set()
+
+    watcher = threading.Thread(target=while_written, daemon=True)
+    watcher.start()
+    owner = burst_worker(r, config, tmp_path, runtime="torch", engine="torch")
+    owner.run(burst=True, logging_level="WARNING")  # its stop waits for the write in flight
+    watcher.join(10)
+    assert not problems, problems
+    assert writers and all(t is not threading.main_thread() for t in writers)  # never on the step's thread
+    assert all(producer.get(t.request_id).type != "error" for t in tickets)
+    checkpoint = journal.checkpoint(model)
+    assert checkpoint is not None and Path(checkpoint.path).is_file() and Path(checkpoint.path).name.startswith("j6-")
+    assert journal.length(model) == 10 and journal.listed(model) == 4  # step 2's sync and step 3 stay
+    assert journal.steps_since_checkpoint(model) == 1
+
+    fence = Fence(r, "owner", 3000)
+    shard = producer.shard_of(model)
+    assert fence.acquire([shard]) == [shard]
+    # an older checkpoint (entries up to 4) recorded after it would drop nothing and replace nothing
+    assert not fence.trim_journal(shard, journal.key(model), journal.base_key(model), 4, checkpoint.model_dump_json(), 1)
+    fence.release()
+
+    fresh = torch_runtime(tmp_path)
+    assert Restorer(r, fresh, journal).ensure(model) is None  # the checkpoint (step 2), then the tail (step 3)
+    assert_same(tensors(owner.dispatcher.runtime, model), tensors(fresh, model))
+    assert fresh.engine.live_versions(model) == owner.dispatcher.runtime.engine.live_versions(model)
+
+
 def test_what_cannot_be_rebuilt_is_named(r, config, tmp_path):
     producer = Producer(r, config)
     model, other = "named:train:0", "gone:train:0"
@@ -291,7 +358,15 @@ def sigkilled_run(r, config, start_worker, steps: int, **env: str) -> None:
     versions = [out.weights_version for out in outs if out.type == "sample"]
     assert versions == list(range(1, steps + 1))  # each sample is served on the sync before it, across the kill
 
-    # the same requests, never interrupted (the standby serves them), then both adapters saved and compared
+    assert_as_uninterrupted(producer, steps)
+    rebuilt = ("survivor:train:0: replaying journal entries", "survivor:train:0: loading its checkpoint")
+    assert any(line in standby.output() for line in rebuilt)  # it was rebuilt there
+    for shard in range(config.num_shards):  # nothing left queued or in flight: every request ended once
+        assert r.llen(keys.queue_key(shard)) == 0 and r.llen(keys.inflight_key(shard)) == 0
+
+
+def assert_as_uninterrupted(producer: Producer, steps: int) -> None:
+    """survivor:train:0's adapter equals that of the same requests never interrupted (served by the live worker)."""
     reference = [(op, producer.submit(op)) for op in training("reference:train:0", steps)]
     assert not [out for out in answered(producer, reference, 300) if isinstance(out, ErrorResponse)]
     saves = [producer.submit(SaveStateRequest(model_id=m, seq_id=3 * steps + 1, name="end"))
@@ -302,10 +377,6 @@ def sigkilled_run(r, config, start_worker, steps: int, **env: str) -> None:
     for name in survivor:
         assert torch.allclose(survivor[name], uninterrupted[name], atol=1e-5), name
     assert any(bool(v.abs().sum() > 0) for k, v in survivor.items() if "lora_B" in k)  # trained (B starts at 0)
-    rebuilt = ("survivor:train:0: replaying journal entries", "survivor:train:0: loading its checkpoint")
-    assert any(line in standby.output() for line in rebuilt)  # it was rebuilt there
-    for shard in range(config.num_shards):  # nothing left queued or in flight: every request ended once
-        assert r.llen(keys.queue_key(shard)) == 0 and r.llen(keys.inflight_key(shard)) == 0
 
 
 @pytest.mark.slow
@@ -325,6 +396,37 @@ def test_a_run_longer_than_the_checkpoint_period_survives_a_sigkill_with_its_jou
         assert journal.listed(model) <= 3 * 2, journal.listed(model)
         latest = Path(journal.checkpoint(model).path)
         assert [p.name for p in latest.parent.iterdir()] == [latest.name]  # the ones it replaced are deleted
+
+
+@pytest.mark.slow
+def test_an_owner_sigkilled_while_it_writes_a_checkpoint_leaves_the_whole_journal(r, config, start_worker, tmp_path):
+    """The write off the step (TINKERQ_DURABLE_ASYNC) cut off by SIGKILL: the results it covers are published, yet
+    nothing was trimmed, so the standby rebuilds the model from the whole journal and the run ends as an
+    uninterrupted one."""
+    from faulty_runtime import HOLD_WRITES
+
+    hold = tmp_path / "hold-writes"
+    hold.mkdir()
+    (hold / "hold").touch()
+    owner = start_worker(TINKERQ_RUNTIME="faulty_runtime:held_writes", TINKERQ_DURABLE_EVERY="2",
+                         **{HOLD_WRITES: str(hold)})
+    wait_until(lambda: owns_all(r, config), 120, "the first worker's leases")
+    standby = start_worker(TINKERQ_RUNTIME="torch", TINKERQ_DURABLE_EVERY="2")
+    producer, journal, model = Producer(r, config), Journal(r), "survivor:train:0"
+    tickets = [(op, producer.submit(op)) for op in training(model, 4)]
+    wait_until(lambda: (hold / "writing").exists(), 300, "the owner's checkpoint write (after step 2)")
+    wait_until(lambda: journal.length(model) >= 8, 120, "step 3 journaled while the write is held")
+    owner.kill(signal.SIGKILL)
+    assert journal.checkpoint(model) is None and journal.listed(model) == journal.length(model)
+    assert not list(tmp_path.rglob("durable/j*.tar"))  # no checkpoint file was completed
+
+    outs = answered(producer, tickets, 300)
+    assert standby.alive(), standby.output()
+    assert not [out for out in outs if isinstance(out, ErrorResponse)]
+    assert [out.weights_version for out in outs if out.type == "sample"] == [1, 2, 3, 4]
+    assert f"{model}: replaying journal entries 0.." in standby.output()  # from create_model: nothing was trimmed
+    assert_as_uninterrupted(producer, 4)
+    assert journal.length(model) == 1 + 3 * 4
 
 
 @pytest.mark.slow

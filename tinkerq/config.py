@@ -46,7 +46,13 @@ class QueueConfig(BaseSettings):
     # checkpoint root and trims the journal before it (worker/checkpointer.py), so a takeover replays at most
     # this many steps and Redis holds no more of their data. 0: never (the journal grows with the run).
     durable_every: int = Field(10, ge=0)
-
+    # Write those checkpoints on a side thread: the step copies the tensors to host memory (pinned on a GPU) and
+    # returns; the journal is trimmed once the file is whole (worker/checkpointer.py). False: the step writes it.
+    durable_async: bool = True
+    # Base models a worker loads (trainer and engine) while it owns no shard, so that a takeover pays no engine
+    # start (worker/preload.py): comma-separated names, `auto` for the bases of the models created or loaded on the
+    # shards it may take (re-read each standby tick), `none` for nothing.
+    preload_bases: str = "auto"
 
     @model_validator(mode="after")
     def _blocking_waits_fit_the_socket_timeout(self) -> "QueueConfig":

@@ -137,6 +137,12 @@ def epoch_key(shard: int) -> str:
     return f"{PREFIX}:shard:{shard}:epoch"
 
 
+def shard_bases_key(shard: int) -> str:
+    """The base models of the models created or loaded on a shard: base -> the last such model (hash, fenced). A
+    standby warms them (TINKERQ_PRELOAD_BASES=auto), so taking the shard over starts no engine."""
+    return f"{PREFIX}:shard:{shard}:bases"
+
+
 WORKERS_KEY = f"{PREFIX}:workers"  # balanced workers (`--shards auto`) by their last heartbeat, in ms
 
 

@@ -63,7 +63,7 @@ class Dispatcher:
         self.stopping = threading.Event()  # set when the worker is asked to stop: running batches admit no more
         self.journal = Journal(connection)
         self.restorer = Restorer(connection, runtime, self.journal)
-        self.checkpointer = Checkpointer(runtime, fence, self.journal, config.durable_every)
+        self.checkpointer = Checkpointer(runtime, fence, self.journal, config.durable_every, config.durable_async)
         self.sequencer = Sequencer(connection, fence, config.seq_gap_timeout_s, self._execute, self.finish,
                                    self.admission)
 
@@ -119,6 +119,8 @@ class Dispatcher:
         elif isinstance(result, (CreateModelOutput, LoadStateOutput)):
             info = {"base_model": result.base_model, "lora_rank": result.lora_rank}
             self.fence.hset(shard, keys.info_key(result.model_id), "json", json.dumps(info))
+            if result.base_model is not None:  # what a standby warms (worker/preload.py)
+                self.fence.hset(shard, keys.shard_bases_key(shard), result.base_model, result.model_id)
         self._register_checkpoint(shard, request, result)
         if self.config.durable and changes_state(request, result):
             self._finish_journaled(shard, rid, request, result)

@@ -79,14 +79,18 @@ redis.call('PUBLISH', ARGV[4], ARGV[5])
 return length + tonumber(redis.call('HGET', KEYS[6], 'offset') or '0')
 """
 
-# A durable checkpoint covers the whole journal as it stands: record it and drop every entry (worker/checkpointer.py).
-# Refused (0) unless the journal is still exactly `upto` entries long, so no entry the checkpoint lacks is dropped.
-# KEYS: (lease), journal, journal base. ARGV: (token), upto, the checkpoint's record.
+# A durable checkpoint covers the journal's first `upto` entries: record it and drop those, keeping the ones journaled
+# while it was written (worker/checkpointer.py), and take the optim_steps it covers off the count towards the next.
+# Refused (0) unless entry `upto` - 1 is still listed: an older checkpoint never replaces a newer one, and no entry
+# the checkpoint lacks is dropped. KEYS: (lease), journal, journal base. ARGV: (token), upto, the checkpoint's
+# record, the optim_steps it covers.
 _TRIM_JOURNAL = """
 local offset = tonumber(redis.call('HGET', KEYS[3], 'offset') or '0')
-if offset + redis.call('LLEN', KEYS[2]) ~= tonumber(ARGV[2]) then return 0 end
-redis.call('DEL', KEYS[2])
-redis.call('HSET', KEYS[3], 'offset', ARGV[2], 'json', ARGV[3], 'steps', 0)
+local upto = tonumber(ARGV[2])
+if upto <= offset or upto > offset + redis.call('LLEN', KEYS[2]) then return 0 end
+redis.call('LTRIM', KEYS[2], upto - offset, -1)
+redis.call('HSET', KEYS[3], 'offset', upto, 'json', ARGV[3])
+redis.call('HINCRBY', KEYS[3], 'steps', -tonumber(ARGV[4]))
 return 1
 """
 
@@ -273,10 +277,13 @@ class Fence:
             f"the result of {request_id}")
         return int(outcome)
 
-    def trim_journal(self, shard: int, journal_key: str, base_key: str, upto: int, record: str) -> bool:
-        """Record a checkpoint that covers the journal's `upto` entries and drop them. False if the journal grew
-        meanwhile (nothing changes); FencedOut if not owner."""
-        return self._trim_journal(shard, [journal_key, base_key], [upto, record], journal_key) == 1
+    def trim_journal(self, shard: int, journal_key: str, base_key: str, upto: int, record: str, steps: int) -> bool:
+        """Record a checkpoint that covers the journal's first `upto` entries (counted from its first ever) and
+        drop them, keeping those journaled since (the checkpoint was written while training went on); `steps`, the
+        optim_steps among them since the previous checkpoint, leave the count towards the next. False if a
+        checkpoint at or past `upto` is recorded already, or the journal has fewer entries (nothing changes);
+        FencedOut if not owner."""
+        return self._trim_journal(shard, [journal_key, base_key], [upto, record, steps], journal_key) == 1
 
     def set_counter(self, shard: int, key: str, value: int, *, only_up: bool = True) -> None:
         self._set_counter(shard, [key], [value, "max" if only_up else "set"], key)

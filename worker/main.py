@@ -22,12 +22,14 @@ from worker.dispatcher import Dispatcher
 from worker.fencing import Fence, FencedOut, FencedRedis
 from worker.membership import Membership, fair_share
 from worker.outage import REDIS_DOWN, wait_for_redis
+from worker.preload import Preloader
 from worker.recovery import recover
 from worker.rq_worker import LostJob, ShardQueue, ShardWorker
 from worker.runtime import Runtime
 from worker.shutdown import StopWatchdog
 
 log = logging.getLogger(__name__)
+STANDBY_SLACK_MS = 5  # a standby wakes this long after the lease it waits for is due to lapse
 
 
 def worker_name() -> str:
@@ -65,6 +67,7 @@ class WorkerProcess:
         self.share = len(self.wanted)
         self.claimer = Claimer(connection, self.fence)
         self.dispatcher = Dispatcher(connection, runtime, self.fence, self.config, limits)
+        self.preloader = Preloader(connection, runtime, self.config.preload_bases, self.wanted)
         self.rq_worker: ShardWorker | None = None
         self._stopping = self.dispatcher.stopping
         self.draining = threading.Event()  # `tinkerq drain` named this worker (_keep_once)
@@ -151,6 +154,7 @@ class WorkerProcess:
             try:
                 if self.draining.is_set():
                     self._make_durable()
+                self._finish_checkpoint()
             finally:
                 self._keeper_stop.set()
                 keeper.join(timeout=5)
@@ -163,6 +167,14 @@ class WorkerProcess:
             except REDIS_DOWN as exc:  # the leases lapse on their own after their TTL
                 log.warning("worker %s could not release its leases (%s)", self.name, exc)
 
+    def _finish_checkpoint(self) -> None:
+        """A checkpoint still being written is recorded before the leases go (its trim is fenced), for at most the
+        stop's grace: one cut off leaves the journal whole, as a kill would."""
+        checkpointer = self.dispatcher.checkpointer
+        if checkpointer.writing() and not checkpointer.wait(self.config.stop_grace_s):
+            log.warning("worker %s: a durable checkpoint still being written after %g s is left unrecorded",
+                        self.name, self.config.stop_grace_s)
+
     def _make_durable(self) -> None:
         """A drain: checkpoint every model held here, so the next owner loads each instead of replaying it."""
         shards = sorted(self.fence.tokens)
@@ -173,10 +185,12 @@ class WorkerProcess:
         """Take free shards and consume them until the leases change (True: go on), or a stop (False)."""
         self._release_surplus()
         self.take_free_shards()
-        if not self.fence.tokens:
+        if not self.fence.tokens:  # standby: every wanted shard has a live owner
             if burst:
                 return False
-            time.sleep(self.config.tick_s)  # standby: every wanted shard has a live owner
+            self.preloader.warm()  # so that taking a shard over later starts no engine
+            if not self.take_free_shards():  # an owner may have died while the engines started
+                self._standby_wait()
             return True
         self.rq_worker = self._new_rq_worker()
         self.rq_worker.work(burst=burst, logging_level=logging_level, dequeue_strategy="round_robin")
@@ -184,6 +198,17 @@ class WorkerProcess:
             raise self.rq_worker.outage
         # a signal, or RQ gave up (its own log says why)
         return not burst and self.rq_worker.stop_reason is not None and not self._signalled()
+
+    def _standby_wait(self) -> None:
+        """Sleep until the first wanted lease may lapse (a dead owner's stops being renewed), at most a tick: a
+        standby takes a shard within milliseconds of its lease lapsing rather than up to a tick later."""
+        with self.connection.pipeline(transaction=False) as pipe:
+            for shard in self.wanted:
+                pipe.pttl(keys.lease_key(shard))
+            left_ms = [ttl for ttl in pipe.execute() if ttl is not None and ttl >= 0]
+        # a lease with no TTL (-1) or gone (-2, free but not ours to take: over our share) waits a tick
+        wait_s = (min(left_ms) + STANDBY_SLACK_MS) / 1000 if left_ms else self.config.tick_s
+        time.sleep(min(max(wait_s, STANDBY_SLACK_MS / 1000), self.config.tick_s))
 
     def _release_surplus(self) -> None:
         """Between jobs, give back the shards over this worker's share (a worker joined), each model on them

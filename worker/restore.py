@@ -10,6 +10,7 @@ ran an op whose result it could not store (so the journal lacks it) is rebuilt f
 """
 
 import logging
+import time
 
 from redis import Redis
 
@@ -48,6 +49,7 @@ class Restorer:
             if held and mine is None:
                 return None  # made here before it had a journal: keep it
             return state_lost(model_id, f"its training journal ({self.journal.key(model_id)}) is gone from Redis")
+        started = time.monotonic()
         try:
             self._replay(model_id, mine if held and mine is not None and mine < length else None)
         except (CorruptJournal, DomainError) as exc:
@@ -59,6 +61,7 @@ class Restorer:
             self.runtime.forget(model_id)  # half rebuilt: never serve it
             self.position.pop(model_id, None)
             raise
+        log.info("model %s: rebuilt to journal entry %d in %.2f s", model_id, length - 1, time.monotonic() - started)
         return None
 
     def _replay(self, model_id: str, mine: int | None) -> None:

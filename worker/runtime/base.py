@@ -2,6 +2,7 @@
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -84,6 +85,25 @@ class DurableCheckpoint(BaseModel):
     persisted: dict[int, str] = {}
 
 
+@dataclass
+class PendingCheckpoint:
+    """A model's whole state captured at one journal position (Runtime.capture), not yet on disk: `write` puts it
+    there under a name, on a side thread where `off_thread` (the trainer copied it aside), else where the step runs."""
+
+    writer: Callable[[str], str]
+    applied: int
+    persisted: dict[int, str]
+    off_thread: bool
+
+    def write(self, name: str) -> DurableCheckpoint | None:
+        """The checkpoint written, or None where the trainer writes no durable state."""
+        try:
+            path = self.writer(name)
+        except NotImplementedError:
+            return None
+        return DurableCheckpoint(path=path, applied=self.applied, persisted=self.persisted)
+
+
 class Engine(ABC):
     """Batched generation over weight snapshots addressed by (model id, version)."""
 
@@ -123,6 +143,10 @@ class Engine(ABC):
         """Serve an evicted version again (read back from its archive), without evicting any live one: never
         called while a batch runs, and the next sync's eviction bounds the count again. False: not possible here."""
         return False
+
+    def warm(self, base_model: str) -> None:  # noqa: B027 - optional
+        """Start what serving models of `base_model` needs (an engine, its weights) now rather than on first use:
+        a standby warms the bases it may take over (worker/preload.py). DomainError for a base not served here."""
 
     def check_base(self, base_model: str) -> None:
         """Raise DomainError unless this engine can serve samples of the bare base model (no adapter)."""
@@ -176,6 +200,10 @@ class Trainer(ABC):
     def base_model(self, model_id: str) -> str:
         return model_id
 
+    def warm(self, base_model: str) -> None:  # noqa: B027 - optional
+        """Load `base_model` now rather than at the first create or restore on it (a standby, worker/preload.py).
+        DomainError for a base this deployment does not serve."""
+
     @abstractmethod
     def remove_model(self, model_id: str) -> None:
         """Drop the model's adapter, optimizer and gradients (no error if it is not held)."""
@@ -185,6 +213,13 @@ class Trainer(ABC):
         live snapshots (`snapshots`: version -> exported weights) atomically; return its path. NotImplementedError:
         this trainer writes none, and durability rests on the journal alone."""
         raise NotImplementedError
+
+    def durable_writer(self, model_id: str, snapshots: dict[int, Any]) -> Callable[[str], str] | None:
+        """save_durable in two steps, for a write off the training thread: copy now everything it would write
+        (host memory: the next step changes the live tensors), and return the function that writes that copy under
+        a name (called on a side thread) and returns its path. None: this trainer copies nothing aside, so
+        save_durable runs where the step runs."""
+        return None
 
     def load_durable(self, model_id: str, path: str) -> dict[int, Any]:
         """Rebuild the model from save_durable's file; return the snapshots' weights. DomainError if unreadable."""

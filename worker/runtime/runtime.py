@@ -27,6 +27,7 @@ from worker.runtime.base import (
     DurableCheckpoint,
     Engine,
     Keyed,
+    PendingCheckpoint,
     Trainer,
     in_order,
     servable,
@@ -100,6 +101,12 @@ class Runtime:
         self.engine.add_model(model_id, self.trainer.base_model(model_id), weights)
         self._applied[model_id] = 0
 
+    def warm(self, base_model: str) -> None:
+        """Load the base into the trainer and start its engine before any model of it is served here, so a shard
+        taken over later pays neither (worker/preload.py). DomainError for a base this deployment does not serve."""
+        self.trainer.warm(base_model)
+        self.engine.warm(base_model)
+
     def forget(self, model_id: str) -> None:
         """Drop the model from this worker's memory (a stale copy, about to be rebuilt from its journal)."""
         self.trainer.remove_model(model_id)
@@ -120,18 +127,26 @@ class Runtime:
     def checkpoint(self, model_id: str, name: str) -> DurableCheckpoint | None:
         """Write the model's whole state, live snapshots included (worker/checkpointer.py). None when this runtime
         cannot: its trainer writes no durable state, or its engine cannot give a live snapshot back."""
+        pending = self.capture(model_id)
+        return None if pending is None else pending.write(name)
+
+    def capture(self, model_id: str) -> PendingCheckpoint | None:
+        """The model's whole state as it is now, to be written later (PendingCheckpoint.write, on a side thread
+        where `off_thread`); None as for checkpoint()."""
         snapshots = {}
         for version in self.engine.live_versions(model_id):
             weights = self.engine.snapshot_weights(model_id, version)
             if weights is None:
                 return None
             snapshots[version] = weights
-        try:
-            path = self.trainer.save_durable(model_id, name, snapshots)
-        except NotImplementedError:
-            return None
         persisted = {version: path for (model, version), path in self._paths.items() if model == model_id}
-        return DurableCheckpoint(path=path, applied=self._applied.get(model_id, 0), persisted=persisted)
+        applied = self._applied.get(model_id, 0)
+        writer = self.trainer.durable_writer(model_id, snapshots)
+        if writer is not None:
+            return PendingCheckpoint(writer, applied, persisted, off_thread=True)
+        trainer = self.trainer  # no copy aside: written where the step runs (NotImplementedError: never written)
+        return PendingCheckpoint(lambda name: trainer.save_durable(model_id, name, snapshots), applied, persisted,
+                                 off_thread=False)
 
     def restore(self, model_id: str, checkpoint: DurableCheckpoint) -> None:
         """Rebuild the model from a durable checkpoint: the trainer's state, then each live snapshot under its own

@@ -16,36 +16,47 @@ class TorchEngine(Engine):
         self.max_snapshots = max_snapshots
         self.snapshots: dict[str, OrderedDict[int, str]] = {}
         self.base_of: dict[str, LoadedBase] = {}
+        # model -> version -> the weights each live snapshot was made from (never changed after: the trainer exports
+        # a copy), handed to a durable checkpoint as they are instead of read back out of peft's adapter each time
+        self.weights: dict[str, dict[int, LoraWeights]] = {}
 
     def add_model(self, model_id: str, base_model: str, weights: LoraWeights, version: int = 0) -> None:
         self.remove_model(model_id)
         self.base_of[model_id] = self.bases.get(base_model)
         self.snapshots[model_id] = OrderedDict()
+        self.weights[model_id] = {}
         self.apply_weights(model_id, version, weights)
 
     def apply_weights(self, model_id: str, version: int, weights: LoraWeights) -> None:
         self.restore_snapshot(model_id, version, weights)
         base, held = self.base_of[model_id], self.snapshots[model_id]
         while len(held) > self.max_snapshots:
-            _, evicted = held.popitem(last=False)
+            version_out, evicted = held.popitem(last=False)
+            self.weights[model_id].pop(version_out, None)
             base.delete_adapter(evicted)
 
     def restore_snapshot(self, model_id: str, version: int, weights: LoraWeights) -> bool:
         name = adapter_name(model_id, version)
         import_adapter(self.base_of[model_id], name, weights)  # a copy: later training steps do not reach it
         self.snapshots[model_id][version] = name
+        self.weights[model_id][version] = weights
         return True
 
     def snapshot_weights(self, model_id: str, version: int) -> LoraWeights:
-        return export_adapter(self.base_of[model_id], self.snapshots[model_id][version])
+        kept = self.weights.get(model_id, {}).get(version)
+        return kept if kept is not None else export_adapter(self.base_of[model_id], self.snapshots[model_id][version])
 
     def live_versions(self, model_id: str) -> list[int]:
         return list(self.snapshots.get(model_id, ()))
 
     def remove_model(self, model_id: str) -> None:
         base = self.base_of.pop(model_id, None)
+        self.weights.pop(model_id, None)
         for name in self.snapshots.pop(model_id, {}).values():
             base.delete_adapter(name)
+
+    def warm(self, base_model: str) -> None:
+        self.bases.get(base_model)  # the trainer's base is this engine's too
 
     def check_base(self, base_model: str) -> None:
         self.bases.get(base_model)  # loads it; DomainError for a base this deployment does not serve

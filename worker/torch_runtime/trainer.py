@@ -3,6 +3,7 @@
 import gc
 import json
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from worker.runtime.base import DomainError, Trainer
 from worker.torch_runtime import custom_loss
 from worker.torch_runtime.base_models import BaseModels, LoadedBase, adapter_name
 from worker.torch_runtime.checkpoints import extract_archive, write_archive
+from worker.torch_runtime.host_copy import tree_to_host
 from worker.torch_runtime.lora_io import (
     AdapterExport,
     LoraWeights,
@@ -86,6 +88,9 @@ class TorchTrainer(Trainer):
 
     def base_model(self, model_id: str) -> str:
         return self.models[model_id].base.name
+
+    def warm(self, base_model: str) -> None:
+        self.bases.get(base_model)  # DomainError for a base this deployment does not serve
 
     def remove_model(self, model_id: str) -> None:
         trained = self.models.pop(model_id, None)
@@ -245,22 +250,43 @@ class TorchTrainer(Trainer):
     def save_durable(self, model_id: str, name: str, snapshots: dict[int, LoraWeights]) -> str:
         """Adapter, AdamW state, pending gradients, LoRA config and each live snapshot's adapter, as one archive
         (written under a temp name and renamed)."""
+        return self.durable_writer(model_id, snapshots)(name)
+
+    def durable_writer(self, model_id: str, snapshots: dict[int, LoraWeights]) -> Callable[[str], str]:
+        """save_durable in two: everything it writes copied to host memory now (worker/torch_runtime/host_copy.py;
+        pinned, and not waited for, on a GPU), and the write of that copy, for a side thread."""
         trained = self.models[model_id]
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp)
-            save_adapter(self.export_weights(model_id), out, trained.base.path)
-            state = {"model_id": model_id, "base_model": trained.base.name, "lora": trained.spec.model_dump(),
-                     "snapshots": sorted(snapshots)}
-            (out / STATE_FILE).write_text(json.dumps(state))
-            torch.save(trained.optimizer.state_dict(), out / "optimizer.pt")
-            grads = {i: p.grad.detach().cpu() for i, p in enumerate(trained.params) if p.grad is not None}
-            if grads:
-                torch.save(grads, out / "grads.pt")
-            for version, weights in snapshots.items():
-                (out / "snapshots" / str(version)).mkdir(parents=True)
-                save_adapter(weights, out / "snapshots" / str(version), trained.base.path)
-            target = paths.checkpoint_file(self.root, model_id, "durable", name, ".tar")
-            return str(write_archive(out, target, compress=False))
+        live = {"adapter": self.export_weights(model_id).tensors, "optimizer": trained.optimizer.state_dict(),
+                "grads": {i: p.grad for i, p in enumerate(trained.params) if p.grad is not None},
+                **{f"snapshot-{version}": weights.tensors for version, weights in snapshots.items()}}
+        # a host buffer per part: torch.save writes whole storages, so the optimizer's file must hold only its own
+        copies = {part: tree_to_host(tree) for part, tree in live.items()}
+        copied = {part: tree for part, (tree, _) in copies.items()}
+        ready = [host for _, host in copies.values()]
+        config = trained.base.model.peft_config[trained.adapter]
+        state = {"model_id": model_id, "base_model": trained.base.name, "lora": trained.spec.model_dump(),
+                 "snapshots": sorted(snapshots)}
+        configs = {version: weights.config for version, weights in snapshots.items()}
+        base_path = trained.base.path
+
+        def write(name: str) -> str:
+            for host in ready:
+                host.wait()  # the copies into pinned memory (a GPU's) have landed
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp)
+                save_adapter(LoraWeights(config, copied["adapter"]), out, base_path)
+                (out / STATE_FILE).write_text(json.dumps(state))
+                torch.save(copied["optimizer"], out / "optimizer.pt")
+                if copied["grads"]:
+                    torch.save(copied["grads"], out / "grads.pt")
+                for version, config_of in configs.items():
+                    (out / "snapshots" / str(version)).mkdir(parents=True)
+                    save_adapter(LoraWeights(config_of, copied[f"snapshot-{version}"]), out / "snapshots" / str(version),
+                                 base_path)
+                target = paths.checkpoint_file(self.root, model_id, "durable", name, ".tar")
+                return str(write_archive(out, target, compress=False))
+
+        return write
 
     def load_durable(self, model_id: str, path: str) -> dict[int, LoraWeights]:
         archive = paths.resolve(self.root, path, ".tar")

@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from schemas import CreateModelRequest, ErrorResponse, SampleOutput, SampleRequest
+from schemas import CreateModelRequest, ErrorResponse, SampleOutput, SampleRequest, SamplingParams
+from schemas.ids import base_model_id
 from tinkerq.catalog import BaseModelCatalog
 from tinkerq.config import RuntimeConfig
 from worker.runtime.base import Admit, DomainError, Done, Engine, Keyed, check_fits, in_order, servable
@@ -154,6 +155,18 @@ class VllmEngine(Engine):
 
     def live_versions(self, model_id: str) -> list[int]:
         return list(self.snapshots.get(model_id, ()))
+
+    def warm(self, base_model: str) -> None:
+        if base_model in self.llms:
+            return
+        self._llm(base_model)  # vLLM's engine: its weights, KV cache and (on a GPU) memory share and CUDA graphs
+        # vLLM's first step after its start sets up what it builds lazily (1.5-2 s of the CPU engine's first sample,
+        # LoRA's kernels among it): one token of the bare base pays that here, before any model is served
+        probe = SampleRequest(model_id=base_model_id(base_model), base_model=base_model, prompt_tokens=[0], weights_version=0,
+                              sampling_params=SamplingParams(max_tokens=1))
+        result = self.generate([probe])[0]
+        if isinstance(result, ErrorResponse):
+            raise RuntimeError(f"the first sample of {base_model!r} failed: {result.error}")
 
     def check_base(self, base_model: str) -> None:
         """The bare base is served with no adapter (batched with adapter samples); in merged mode its engine
