@@ -169,6 +169,31 @@ def test_a_checkpoint_holds_pending_gradients_and_every_live_snapshot(r, config,
         assert a.sequences[0].logprobs == pytest.approx(b.sequences[0].logprobs, abs=1e-5)
 
 
+def test_a_checkpoint_covering_no_optim_step_is_recorded_and_its_file_kept(r, config, tmp_path):
+    """A shard released (or drained) after a forward_backward but no optim_step since the last checkpoint: the
+    checkpoint covers no optim_step. Its record once failed half-way in Redis (after the trim and the record) and the
+    worker deleted the file it had just recorded: every later takeover lost the model (seen in test_balance)."""
+    producer = Producer(r, config)
+    model = "nostep:train:0"
+    tickets = [producer.submit(op) for op in training(model, 1, sample=False)]
+    owner = burst_worker(r, config, tmp_path)
+    owner.run(burst=True, logging_level="WARNING")
+    shards = list(range(config.num_shards))
+    owner.fence.acquire(shards)  # the burst run released its leases
+    assert owner.dispatcher.make_durable(shards) == 1
+    tickets.append(producer.submit(ForwardBackwardRequest(model_id=model, seq_id=4, data=[datum(1)])))
+    owner.run(burst=True, logging_level="WARNING")
+    assert all(producer.get(t.request_id).type != "error" for t in tickets)
+    owner.fence.acquire(shards)
+    assert owner.dispatcher.make_durable(shards) == 1
+    journal = Journal(r)
+    checkpoint = journal.checkpoint(model)
+    assert journal.listed(model) == 0 and Path(checkpoint.path).is_file(), checkpoint
+    assert journal.steps_since_checkpoint(model) == 0
+    assert Restorer(r, build_runtime(RuntimeConfig(runtime="reference", checkpoint_root=str(tmp_path / "ckpt"))),
+                    journal).ensure(model) is None
+
+
 def test_a_checkpoint_is_written_off_the_step_and_trims_the_journal_only_once_the_file_is_whole(r, config, tmp_path,
                                                                                                monkeypatch):
     """TINKERQ_DURABLE_ASYNC: the step that makes a checkpoint due copies the state and returns; the file is written

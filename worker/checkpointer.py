@@ -111,9 +111,10 @@ class Checkpointer:
                                                length, made.model_dump_json(), steps)
         except FencedOut:
             recorded = False
-        except Exception:  # noqa: BLE001 - on the side thread, Redis gone for good: nothing recorded
-            log.exception("model %s: checkpoint at entry %d could not be recorded", model_id, length)
-            recorded = False
+        except Exception:  # noqa: BLE001 - on the side thread, Redis gone for good: recorded or not, unknown
+            log.exception("model %s: checkpoint at entry %d may not be recorded; its file %s is kept", model_id,
+                          length, made.path)
+            return None  # a file too many costs disk; deleting one that was recorded loses the model
         if not recorded:  # a later checkpoint was recorded first, or the shard moved: this file describes nothing
             log.warning("model %s: checkpoint at entry %d not recorded; dropping it", model_id, length)
             _remove(made.path)

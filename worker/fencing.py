@@ -82,15 +82,17 @@ return length + tonumber(redis.call('HGET', KEYS[6], 'offset') or '0')
 # A durable checkpoint covers the journal's first `upto` entries: record it and drop those, keeping the ones journaled
 # while it was written (worker/checkpointer.py), and take the optim_steps it covers off the count towards the next.
 # Refused (0) unless entry `upto` - 1 is still listed: an older checkpoint never replaces a newer one, and no entry
-# the checkpoint lacks is dropped. KEYS: (lease), journal, journal base. ARGV: (token), upto, the checkpoint's
+# the checkpoint lacks is dropped. Every command that can fail runs before the first write: Redis does not undo a
+# script's writes when a later command fails (HINCRBY by "-0", a checkpoint covering no optim_step, did, after the
+# trim and the record, and the caller then deleted the file it had just recorded). KEYS: (lease), journal, journal base. ARGV: (token), upto, the checkpoint's
 # record, the optim_steps it covers.
 _TRIM_JOURNAL = """
 local offset = tonumber(redis.call('HGET', KEYS[3], 'offset') or '0')
 local upto = tonumber(ARGV[2])
 if upto <= offset or upto > offset + redis.call('LLEN', KEYS[2]) then return 0 end
+local steps = tonumber(redis.call('HGET', KEYS[3], 'steps') or '0') - tonumber(ARGV[4])
 redis.call('LTRIM', KEYS[2], upto - offset, -1)
-redis.call('HSET', KEYS[3], 'offset', upto, 'json', ARGV[3])
-redis.call('HINCRBY', KEYS[3], 'steps', -tonumber(ARGV[4]))
+redis.call('HSET', KEYS[3], 'offset', upto, 'json', ARGV[3], 'steps', math.max(steps, 0))
 return 1
 """
 
