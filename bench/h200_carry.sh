@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PKGS="tinker pyqwest orjson zstandard distro fastapi starlette annotated-doc typing-inspection pydantic
-pydantic-core annotated-types pydantic-settings python-dotenv uvicorn httptools redis rq croniter sniffio
+pydantic-core annotated-types pydantic-settings python-dotenv uvicorn httptools redis hiredis rq croniter sniffio
 typer h2 hpack hyperframe httpcore2 httpx2 opentelemetry-api truststore tzdata"
 pins=()
 for pkg in $PKGS; do

@@ -1,13 +1,15 @@
 """Checkpoint archives: atomic writes and extraction that refuses anything unsafe."""
 
 import io
+import os
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
 
 from worker.runtime import DomainError
-from worker.torch_runtime.checkpoints import extract_archive, write_archive
+from worker.torch_runtime.checkpoints import STALE_TEMP_S, extract_archive, write_archive
 
 
 def archive_with(tmp_path: Path, *members: tuple[tarfile.TarInfo, bytes | None]) -> Path:
@@ -40,6 +42,25 @@ def test_round_trip(tmp_path):
     out = extract_archive(archive, tmp_path / "x")
     assert (out / "a.json").read_text() == "{}" and (out / "sub" / "b.bin").stat().st_size == 10
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["ck.tar.gz"]  # no temp file left behind
+
+
+def test_a_write_removes_the_temp_files_that_killed_writes_left_and_only_those(tmp_path):
+    """A worker SIGKILLed mid-write leaves `.<name>.tar.<random>` behind; the next write there removes it once it is
+    older than any live write, and leaves a fresh one (a write in progress), checkpoints and other files alone."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.json").write_text("{}")
+    out = tmp_path / "durable"
+    out.mkdir()
+    stale, fresh = out / ".j10-0a1b2c3d.tar.k3j_x9q2", out / ".j20-1f2e3d4c.tar.gz.ab12cd34"
+    kept = [fresh, out / "j5-00000000.tar", out / ".notes", out / "j10.tar.other"]
+    for path in [stale, *kept]:
+        path.write_bytes(b"partial")
+    hour_ago = time.time() - STALE_TEMP_S - 60
+    for path in [stale, *kept[1:]]:
+        os.utime(path, (hour_ago, hour_ago))
+    write_archive(src, out / "j30-12345678.tar", compress=False)
+    assert sorted(p.name for p in out.iterdir()) == sorted([p.name for p in kept] + ["j30-12345678.tar"])
 
 
 @pytest.mark.parametrize(

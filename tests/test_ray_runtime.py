@@ -23,6 +23,7 @@ from schemas import (
 )
 from tinkerq.config import RuntimeConfig
 from worker.ray_runtime import cluster
+from worker.runtime import DomainError
 from worker.runtimes import build_runtime
 
 BASE = "tinyq-micro"
@@ -199,6 +200,25 @@ def test_remove_model_drops_it_on_every_rank_and_it_can_be_built_again(runtimes)
         rt.execute(ForwardBackwardRequest(model_id=model, data=data, loss_fn="importance_sampling"))
         rt.execute(OptimStepRequest(model_id=model, adam_params=AdamParams(learning_rate=0.05)))
     assert same_adapter(adapter(local, model), adapter(distributed, model))
+
+
+def test_warm_loads_a_base_on_every_rank_and_replica_before_any_model_of_it(runtimes):
+    """What a standby's preload calls (worker/preload.py): the base loaded in each trainer rank's and each engine
+    replica's own process, not on first use after a takeover; a base not served is refused."""
+    _, distributed = runtimes
+    warmed = "tinyq-tied"  # no other test of this module loads it
+
+    def held() -> list[bool]:
+        return ray.get([rank.__ray_call__.remote(lambda self: self.trainer.bases.loaded(warmed) is not None)
+                        for rank in distributed.trainer.ranks]
+                       + [replica.__ray_call__.remote(lambda self: self.engine.bases.loaded(warmed) is not None)
+                          for replica in distributed.engine.replicas])
+
+    assert held() == [False] * 4
+    distributed.warm(warmed)
+    assert held() == [True] * 4
+    with pytest.raises(DomainError):
+        distributed.warm("no-such-base")
 
 
 def test_a_ray_client_address_is_refused_before_ray_starts(monkeypatch):

@@ -80,7 +80,10 @@ def test_samples_between_barriers_reach_the_engine_as_one_batch(r, producer, con
     assert {result(producer, t).weights_version for t in later} == {1}
     # the batched jobs left the queue at once and show as finished in RQ (the dashboard's view)
     for ticket in first + mixed + later:
-        assert Job.fetch(ticket.request_id, connection=r, serializer="json").get_status() == JobStatus.FINISHED
+        job = Job.fetch(ticket.request_id, connection=r, serializer="json")
+        assert job.get_status() == JobStatus.FINISHED and job.started_at <= job.ended_at
+        # and expire as RQ's own finished jobs do, not live on in Redis
+        assert 0 < r.ttl(job.key) <= config.rq_result_ttl_s
     assert r.llen(keys.inflight_key(keys.shard_of(M, 4))) == 0
 
 

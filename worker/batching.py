@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from redis import Redis
 from rq.job import Job, JobStatus
 from rq.registry import FinishedJobRegistry
-from rq.results import Result
-from rq.utils import now
+from rq.results import Result as RQResult
+from rq.utils import now, utcformat
 
-from schemas import SampleRequest
+from schemas import Result, SampleRequest
 from tinkerq import keys, queues
 from tinkerq.jobs import JobSerializer
 from worker.admission import Admission, Admitted, job_id
@@ -41,6 +41,7 @@ class Claimed:
     request_id: str
     request: SampleRequest
     job: Job
+    started: str  # when the run took it (RQ's started_at)
 
 
 class Batcher:
@@ -98,6 +99,7 @@ class Batcher:
                 pipe.hgetall(AllowlistJob.key_for(rid))
             hashes = pipe.execute(raise_on_error=False)
         queue_name = keys.queue_name(shard)
+        started = utcformat(now())
         loaded = []
         for rid, raw in zip(ids, hashes):
             if not raw or isinstance(raw, Exception):
@@ -111,24 +113,26 @@ class Batcher:
             verdict = self.admission.admit(job, queue_name)
             if isinstance(verdict, Admitted) and isinstance(verdict.request, SampleRequest):
                 job.verdict = verdict
-                loaded.append(Claimed(rid, verdict.request, job))
+                loaded.append(Claimed(rid, verdict.request, job, started))
         return loaded
 
     def finish(self, shard: int, claimed: list[Claimed], worker_name: str | None) -> None:
-        """Mark served jobs FINISHED in RQ (for the dashboard) and drop them from the in-flight list."""
+        """Mark served jobs FINISHED in RQ (for the dashboard) and drop them from the in-flight list. What RQ's own
+        success path writes, less its rewrite of every field of the job's hash (unchanged since the claim but for
+        these): the status and times, the result, the finished registry, and the hash's expiry."""
         if not claimed:
             return
-        ended = now()
+        ended = utcformat(now())
+        ttl = self.rq_result_ttl_s
         with self.fence.pipeline(shard) as pipe:  # a former owner woken from a pause marks nothing
             for item in claimed:
                 job = item.job
-                job.ended_at = ended
-                job.set_status(JobStatus.FINISHED, pipeline=pipe)
-                job.save(pipeline=pipe, include_meta=False, include_result=False)
-                Result.create(job, Result.Type.SUCCESSFUL, ttl=self.rq_result_ttl_s, pipeline=pipe,
-                              worker_name=worker_name or "",
-                              return_value={"request_id": item.request_id, "type": "sample", "batched": True})
-                FinishedJobRegistry(job.origin, connection=self.connection).add(job, self.rq_result_ttl_s, pipe)
+                pipe.hset(job.key, mapping={"status": JobStatus.FINISHED.value, "started_at": item.started,
+                                            "ended_at": ended})
+                pipe.expire(job.key, ttl)
+                RQResult.create(job, RQResult.Type.SUCCESSFUL, ttl=ttl, pipeline=pipe, worker_name=worker_name or "",
+                                return_value={"request_id": item.request_id, "type": "sample", "batched": True})
+                FinishedJobRegistry(job.origin, connection=self.connection).add(job, ttl, pipe)
                 self.inflight(shard).remove(item.request_id, pipe)
             pipe.execute()
 
@@ -148,9 +152,10 @@ class EngineRun:
     that a stream of samples on one shard holds up no other job for long."""
 
     def __init__(self, batcher: Batcher, queue_key: str, shard: int, max_requests: int, admit_s: float,
-                 other_queue_keys: list[str], worker_name: str | None = None,
-                 stopping: Callable[[], bool] = lambda: False) -> None:
+                 other_queue_keys: list[str], store: Callable[[list[tuple[str, Result]]], object],
+                 worker_name: str | None = None, stopping: Callable[[], bool] = lambda: False) -> None:
         self.batcher, self.queue_key, self.shard, self.worker_name = batcher, queue_key, shard, worker_name
+        self.store = store  # stores results, many in one round trip
         self.stopping = stopping  # a worker asked to stop admits no more: the batch drains and it returns
         self.other_queue_keys = other_queue_keys
         self.max_requests = max_requests
@@ -158,6 +163,7 @@ class EngineRun:
         self.requests: dict[str, SampleRequest] = {}  # request id -> request, of every request taken in
         self.unfinished: dict[str, Claimed] = {}
         self.served: set[str] = set()
+        self._to_store: list[tuple[str, Result]] = []  # served, the result not yet stored
         self._to_finish: list[Claimed] = []  # served, not yet marked FINISHED in RQ
 
     def start(self, request_id: str, request: SampleRequest) -> list[tuple[str, SampleRequest]]:
@@ -175,20 +181,25 @@ class EngineRun:
             return []
         return self._take(self.batcher.claim(self.queue_key, self.shard, room, accept, before_any_barrier=True))
 
-    def finished(self, request_id: str) -> None:
-        """The request's result is stored; its RQ job is marked finished at the next flush (the job at hand is
-        RQ's own to finish)."""
+    def finished(self, request_id: str, result: Result) -> None:
+        """The request is served: its result is stored, and its RQ job marked finished, at the next flush (the job
+        at hand is RQ's own to finish)."""
         self.served.add(request_id)
+        self._to_store.append((request_id, result))
         claimed = self.unfinished.pop(request_id, None)
         if claimed is not None:
             self._to_finish.append(claimed)
 
     def flush(self) -> None:
-        """Mark the jobs served since the last flush FINISHED in RQ, in one transaction: the engine calls admit
-        once per step, so the results of one step cost one round trip here, not one each. (A crash before the
-        flush leaves them in flight; recovery requeues them and each finds its result already stored.)"""
-        self.batcher.finish(self.shard, self._to_finish, self.worker_name)
-        self._to_finish = []
+        """Store the results served since the last flush, then mark their jobs FINISHED in RQ: the engine calls admit
+        once per step, so the samples one step finished cost two round trips here, not two each (256 samples of one
+        length all end in the same step). A crash before the flush leaves them in flight; recovery requeues them,
+        and those whose result was stored find it there."""
+        to_store, to_finish = self._to_store, self._to_finish
+        self._to_store, self._to_finish = [], []
+        if to_store:
+            self.store(to_store)
+        self.batcher.finish(self.shard, to_finish, self.worker_name)
 
     def release(self) -> None:
         """After a failure: put back what was taken and not served."""

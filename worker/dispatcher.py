@@ -69,10 +69,15 @@ class Dispatcher:
 
     def finish(self, shard: int, request_id: str, result: Result) -> bool:
         """Store the request's one result (fenced, first writer wins)."""
-        status = "error" if isinstance(result, ErrorResponse) else "done"
-        stored = self.fence.put_result(shard, request_id, result.model_dump_json(), self.config.result_ttl_s, status)
-        if not stored:
-            log.info("result of %s was already stored; keeping the first", request_id)
+        return self.finish_many(shard, [(request_id, result)])[0]
+
+    def finish_many(self, shard: int, results: list[tuple[str, Result]]) -> list[bool]:
+        """Store many requests' results in one round trip (the samples one engine step finished), each as `finish`."""
+        stored = self.fence.put_results(shard, [(rid, result.model_dump_json(), _status(result)) for rid, result in results],
+                                        self.config.result_ttl_s)
+        for (rid, _), fresh in zip(results, stored):
+            if not fresh:
+                log.info("result of %s was already stored; keeping the first", rid)
         return stored
 
     def fail(self, shard: int, request_id: str, error: ErrorResponse) -> None:
@@ -183,14 +188,14 @@ class Dispatcher:
         # list() copies in one step: the lease keeper thread may take or lose a shard meanwhile
         others = [keys.queue_key(owned) for owned in list(self.fence.tokens) if owned != shard]
         run = batching.EngineRun(self.batcher, keys.queue_key(shard), shard, self.config.max_batch_requests,
-                                 self.config.batch_admit_s, others, job.worker_name, self.stopping.is_set)
+                                 self.config.batch_admit_s, others, lambda results: self.finish_many(shard, results),
+                                 job.worker_name, self.stopping.is_set)
 
         def done(each_rid: str, result: Result) -> None:
             each = run.requests[each_rid]
             if isinstance(result, SampleOutput):
-                self.stability.record(shard, each, result)
-            self.finish(shard, each_rid, self._state_lost(each.model_id, result))
-            run.finished(each_rid)
+                self.stability.record(shard, each, result)  # now: before its result can be stored
+            run.finished(each_rid, self._state_lost(each.model_id, result))
 
         def restored(items: list[tuple[str, SampleRequest]]) -> list[tuple[str, SampleRequest]]:
             """The items whose model is ready here (rebuilt from its journal if need be); the others answered."""
@@ -256,6 +261,10 @@ class Dispatcher:
                           job.id, job.origin)
                 return
             self.fail(shard, job.id, classify(exc_type, exc))
+
+
+def _status(result: Result) -> str:
+    return "error" if isinstance(result, ErrorResponse) else "done"
 
 
 def classify(exc_type: type, exc: BaseException) -> ErrorResponse:

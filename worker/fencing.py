@@ -50,21 +50,33 @@ return 0
 
 # The request record's status, where the record is a hash: the producer writes one, but anyone can write that key,
 # and an HSET on another type would end the script after the result's SET (stored, never published) with an error.
+# (_PUT_RESULTS makes the same check inline, per result.)
 _MARK_RECORD = "if redis.call('TYPE', KEYS[3]).ok == 'hash' then redis.call('HSET', KEYS[3], 'status', ARGV[6]) end\n"
 
-# KEYS: (lease), result, request record. ARGV: (token), result json, ttl, channel, request id, status.
-_PUT_RESULT = """
-if not redis.call('SET', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then return 0 end
-""" + _MARK_RECORD + """
-redis.call('PUBLISH', ARGV[4], ARGV[5])
-return 1
+# Many results in one step (the samples an engine step finished): per result 1 if stored, 0 if one was stored already.
+# KEYS: (lease), then per result its key and its request record. ARGV: (token), ttl, channel, then per result its
+# json, request id and status.
+_PUT_RESULTS = """
+local stored = {}
+for i = 2, #KEYS, 2 do
+  local a = 4 + 3 * (i - 2) / 2
+  if redis.call('SET', KEYS[i], ARGV[a], 'NX', 'EX', ARGV[2]) then
+    if redis.call('TYPE', KEYS[i + 1]).ok == 'hash' then redis.call('HSET', KEYS[i + 1], 'status', ARGV[a + 2]) end
+    redis.call('PUBLISH', ARGV[3], ARGV[a + 1])
+    table.insert(stored, 1)
+  else
+    table.insert(stored, 0)
+  end
+end
+return stored
 """
 
-# put_result plus the model's journal entry for a state-changing op (worker/journal.py), in one step: a result is
+# A result (as _PUT_RESULTS) plus the model's journal entry for a state-changing op (worker/journal.py), in one step: a result is
 # published only once the op is recoverable. The model's last seq moves too (max), so an owner dying right after
 # this write leaves the sequencer's position right. An optim_step counts towards the next durable checkpoint.
-# Returns the journal's length counted from its first entry ever (trimmed ones too), 0 or -1 as _PUT_RESULT.
-# KEYS: (lease), result, request record, journal, last seq, journal base. ARGV: as _PUT_RESULT, then the entry, then
+# Returns the journal's length counted from its first entry ever (trimmed ones too), 0 if a result was stored already.
+# KEYS: (lease), result, request record, journal, last seq, journal base. ARGV: (token), result json, ttl, channel,
+# request id, status, then the entry, then
 # the seq_id ('' for none), then '1' for an optim_step.
 _PUT_JOURNALED = """
 if not redis.call('SET', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then return 0 end
@@ -202,7 +214,7 @@ class Fence:
         self._acquire = connection.register_script(_ACQUIRE)
         self._renew = connection.register_script(_RENEW)
         self._release = connection.register_script(_RELEASE)
-        self._put_result = self.script(_PUT_RESULT)
+        self._put_results = self.script(_PUT_RESULTS)
         self._put_journaled = self.script(_PUT_JOURNALED)
         self._trim_journal = self.script(_TRIM_JOURNAL)
         self._set_counter = self.script(_SET_COUNTER)
@@ -261,10 +273,17 @@ class Fence:
 
     def put_result(self, shard: int, request_id: str, payload: str, ttl_s: int, status: str) -> bool:
         """Store a result first-writer-wins. False if one was already stored; FencedOut if not owner."""
-        outcome = self._put_result(
-            shard, [keys.result_key(request_id), keys.request_key(request_id)],
-            [payload, ttl_s, keys.DONE_CHANNEL, request_id, status], f"the result of {request_id}")
-        return outcome == 1
+        return self.put_results(shard, [(request_id, payload, status)], ttl_s)[0]
+
+    def put_results(self, shard: int, results: list[tuple[str, str, str]], ttl_s: int) -> list[bool]:
+        """Store many results (request id, json, status), each first-writer-wins, in one round trip; per result
+        whether it was stored (False: one was stored already). FencedOut if not owner."""
+        if not results:
+            return []
+        script_keys = [key for rid, _, _ in results for key in (keys.result_key(rid), keys.request_key(rid))]
+        args = [ttl_s, keys.DONE_CHANNEL, *(word for rid, payload, status in results for word in (payload, rid, status))]
+        what = f"the result of {results[0][0]}" if len(results) == 1 else f"{len(results)} results"
+        return [stored == 1 for stored in self._put_results(shard, script_keys, args, what)]
 
     def put_result_journaled(self, shard: int, request_id: str, payload: str, ttl_s: int, status: str,
                              journal_key: str, entry: str, seq_key: str, seq_id: int | None, base_key: str,

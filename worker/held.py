@@ -9,7 +9,6 @@ seq_id), else it is refused, to be answered with that ErrorResponse."""
 
 import json
 import logging
-import time
 
 from redis import Redis
 
@@ -109,30 +108,24 @@ class HeldOps:
             self._drop(shard, [keys.held_key(model_id), keys.held_payload_key(model_id)], [raw],
                        f"a held entry of {model_id!r}")
 
-    def waiting(self, shard: int) -> list[tuple[str, str]]:
-        """(request id, model id) of every op held on the shard, by deadline."""
-        return self._members(shard, self.connection.zrange(keys.held_deadlines_key(shard), 0, -1))
-
-    def expired(self, shard: int) -> list[tuple[str, str]]:
-        """(request id, model id) of the shard's held ops whose deadline has passed."""
-        return self._members(shard, self.connection.zrangebyscore(keys.held_deadlines_key(shard), "-inf", time.time()))
-
-    def forget_deadline(self, shard: int, rid: str, model_id: str) -> None:
-        self._forget_deadline(shard, [keys.held_deadlines_key(shard)], [_member(rid, model_id)],
-                              f"the deadline of held op {rid}")
-
-    def _members(self, shard: int, members: list[bytes]) -> list[tuple[str, str]]:
-        """The deadline members that name a request of a model on this shard; the others are dropped."""
+    def deadlines(self, shard: int) -> list[tuple[str, str, float]]:
+        """(request id, model id, deadline) of every op held on the shard, by deadline: one read, made once per turn
+        of the worker's loop (nearly always of an empty set). A member that names no request of a model on this shard
+        is dropped."""
         named = []
-        for member in members:
+        for member, deadline in self.connection.zrange(keys.held_deadlines_key(shard), 0, -1, withscores=True):
             split = _split(member)
             if split is not None and keys.shard_of(split[1], self.admission.config.num_shards) == shard:
-                named.append(split)
+                named.append((*split, deadline))
                 continue
             log.error("%s held %r, which names no held op of this shard; dropped", keys.held_deadlines_key(shard),
                       member[:200])
             self._forget_deadline(shard, [keys.held_deadlines_key(shard)], [member], "a held op's deadline")
         return named
+
+    def forget_deadline(self, shard: int, rid: str, model_id: str) -> None:
+        self._forget_deadline(shard, [keys.held_deadlines_key(shard)], [_member(rid, model_id)],
+                              f"the deadline of held op {rid}")
 
 
 def _member(rid: str, model_id: str) -> str:

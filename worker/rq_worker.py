@@ -22,7 +22,9 @@ RQ internals relied on (rq is pinned exactly in pyproject; each is re-checked by
 cleanup), the hash field names it reads, `Queue.lpop` / `Queue.lmove` (the pop, before `dequeue_any` decodes
 the id), `Queue._fetch_dequeued_job`, `Queue.move_dependents_to_ready` / `enqueue_dependents` (called by the
 worker's success and failure paths), `BaseWorker.work` and `dequeue_job_and_maintain_ttl` (both replaced; the loop
-calls RQ's `bootstrap`, `check_for_suspension`, `execute_job` and `heartbeat`), `prepare_job_execution`,
+calls RQ's `bootstrap`, `check_for_suspension`, `execute_job` and `heartbeat`), `heartbeat`, `set_state` and
+`handle_job_success` (wrapped or replaced to save round trips; the last calls `Job._handle_success`, `Job.cleanup`,
+`cleanup_execution` and the worker's counters), `prepare_job_execution`,
 `Job._execute` (where RQ would import and call the job's function),
 `handle_exception` / `handle_job_failure` (in that order, from `_finalize_failure`), `heartbeat` and `teardown`,
 `run_maintenance_tasks` and `Queue.intermediate_queue` (whose `cleanup` RQ's maintenance calls).
@@ -291,18 +293,47 @@ class ShardWorker(SimpleWorker):
         return completed > 0
 
     def _turn(self, burst: bool) -> bool:
-        """One job, as RQ's loop takes it (suspension, maintenance, the pop, the job, a heartbeat). False: stop."""
+        """One job, as RQ's loop takes it (suspension, the pop, the job). False: stop. The heartbeat, the maintenance
+        and the tick RQ's loop also runs here come with every claim (`_claim_next`): once per job, not twice."""
         self.check_for_suspension(burst)
-        if self.should_run_maintenance_tasks:
-            self.run_maintenance_tasks()
         if self._stop_requested:
             return False
         result = self.dequeue_job_and_maintain_ttl(None if burst else self.dequeue_timeout)
         if result is None:
             return False
         self.execute_job(*result)
-        self.heartbeat()
         return True
+
+    def heartbeat(self, timeout: int | None = None, pipeline=None) -> None:  # noqa: ANN001 - RQ's signature
+        """RQ's three writes (the worker hash's last_heartbeat, two expiries) in one round trip, not three."""
+        if pipeline is not None:
+            return super().heartbeat(timeout, pipeline)
+        with self.connection.pipeline() as own:
+            super().heartbeat(timeout, own)
+            own.execute()
+        return None
+
+    def set_state(self, state: str, pipeline=None) -> None:  # noqa: ANN001 - RQ's signature
+        """A round trip only when the state changes (RQ writes IDLE at the end of a job and again at the next pop)."""
+        if pipeline is None and state == self._state:
+            return
+        super().set_state(state, pipeline)
+
+    def handle_job_success(self, job: Job, queue, started_job_registry, execution) -> None:  # noqa: ANN001
+        """RQ's, less what tinkerq's jobs never have (dependents: ShardQueue releases none; repeats and rate-limit
+        slots: their fields are never loaded): without the WATCH of the job's dependents, one round trip."""
+        with self.connection.pipeline() as pipeline:
+            self.increment_successful_job_count(pipeline=pipeline)
+            self.increment_total_working_time(job.ended_at - job.started_at, pipeline)
+            result_ttl = job.get_result_ttl(self.default_result_ttl)
+            if result_ttl != 0:
+                job._handle_success(result_ttl, pipeline=pipeline, worker_name=self.name, execution_id=execution.id,
+                                    execution_started_at=execution.created_at, execution_ended_at=job.ended_at)
+            job.cleanup(result_ttl, pipeline=pipeline, remove_from_queue=False)
+            self.cleanup_execution(job, pipeline=pipeline, execution=execution)
+            pipeline.execute()
+        self.log.info("Successfully completed job %s in %ss on worker %s", job.id, job.ended_at - job.started_at,
+                      self.name)
 
     @property
     def dequeue_timeout(self) -> int:
@@ -414,7 +445,8 @@ class ShardWorker(SimpleWorker):
                 return result
 
     def _claim_next(self, timeout: int | None):  # noqa: ANN202 - (job, queue), None (stop or idle burst), False
-        self.heartbeat()
+        if self.last_heartbeat is None or (now() - self.last_heartbeat).total_seconds() >= self.tick_s:
+            self.heartbeat()  # RQ's worker_ttl is minutes: once a tick is plenty, not once a job
         if self.should_run_maintenance_tasks:
             self.run_maintenance_tasks()
         if self._stop_requested:

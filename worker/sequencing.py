@@ -110,9 +110,11 @@ class Sequencer:
     def sweep(self, shard: int) -> None:
         """Run parked ops whose gap a refusal at submit closed, answer those whose gap did not fill in time, and
         let their models move on."""
-        for _, model_id in self.held.waiting(shard):
+        held = self.held.deadlines(shard)
+        for model_id in dict.fromkeys(model_id for _, model_id, _ in held):
             self.drain(shard, model_id)
-        for rid, model_id in self.held.expired(shard):
+        now = time.time()
+        for rid, model_id, _ in (each for each in held if each[2] <= now):  # an op drained just now is taken: None
             verdict = self.held.take(shard, rid, model_id)
             self.held.forget_deadline(shard, rid, model_id)
             if verdict is None:

@@ -67,6 +67,9 @@ class EngineReplica:
         self._check(expect)
         self.engine.remove_model(model_id)
 
+    def warm(self, base_model: str) -> Failed | None:
+        return guarded(lambda: self.engine.warm(base_model))
+
     def check_base(self, base_model: str) -> Failed | None:
         return guarded(lambda: self.engine.check_base(base_model))
 

@@ -72,6 +72,12 @@ class RayEngine(Engine):
     def live_versions(self, model_id: str) -> list[int]:
         return self.record.versions(model_id)
 
+    def warm(self, base_model: str) -> None:
+        """Every live replica starts the base's engine (a standby's preload); one restarted later starts it on first
+        use."""
+        for ref in [self.replicas[i].warm.remote(base_model) for i in self._alive()]:
+            unwrap(self._get(ref))
+
     def check_base(self, base_model: str) -> None:
         unwrap(self._get(self._any().check_base.remote(base_model)))
 

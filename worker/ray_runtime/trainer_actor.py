@@ -50,6 +50,9 @@ class TrainerRank:
     def _params(self, model_id: str) -> list[torch.nn.Parameter]:
         return self.trainer.models[model_id].optimizer.param_groups[0]["params"]
 
+    def warm(self, base_model: str):
+        return guarded(lambda: self.trainer.warm(base_model))
+
     def create_model(self, request: CreateModelRequest):
         def create():
             output = self.trainer.create_model(request)

@@ -57,6 +57,9 @@ class RayTrainer(Trainer):
     def base_model(self, model_id: str) -> str:
         return self._bases[model_id]
 
+    def warm(self, base_model: str) -> None:
+        _first_failure(_all([rank.warm.remote(base_model) for rank in self.ranks]))
+
     def create_model(self, request: CreateModelRequest) -> CreateModelOutput:
         outputs = _all([rank.create_model.remote(request) for rank in self.ranks])
         _first_failure(outputs)

@@ -1,14 +1,21 @@
 """Checkpoint archives: written atomically as tar.gz, extracted only when every member is safe."""
 
 import os
+import re
 import shutil
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 
 from worker.runtime.base import DomainError
 
 DEFAULT_MAX_BYTES = 8 << 30
+# A writer killed between its temp file and the rename (a SIGKILLed worker) leaves the file behind: the next write into
+# that directory removes those older than this. A live write's file is minutes old at most; one removed under a
+# paused writer only fails its rename, so that writer records nothing.
+STALE_TEMP_S = 3600.0
+_TEMP_NAME = re.compile(r"^\..+\.tar(\.gz)?\.\w{8}$")  # mkstemp(prefix=".<target name>.") of write_archive
 
 
 def write_archive(source_dir: Path, target: Path, compress: bool = True) -> Path:
@@ -16,6 +23,7 @@ def write_archive(source_dir: Path, target: Path, compress: bool = True) -> Path
     `compress` off: a plain tar (extract_archive reads both), for the periodic durable
     checkpoints, whose float tensors gzip barely shrinks at several times the cost of writing them."""
     target.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(target.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     os.close(fd)
     try:
@@ -29,6 +37,20 @@ def write_archive(source_dir: Path, target: Path, compress: bool = True) -> Path
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+def remove_stale_temps(directory: Path, older_than_s: float = STALE_TEMP_S) -> list[Path]:
+    """Remove the temp files of writes that died (write_archive's, older than `older_than_s`); those removed."""
+    cutoff = time.time() - older_than_s
+    removed = []
+    for path in directory.iterdir():
+        try:
+            if _TEMP_NAME.match(path.name) and path.is_file() and path.stat().st_mtime < cutoff:
+                path.unlink()
+                removed.append(path)
+        except FileNotFoundError:
+            continue  # another worker removed it first
+    return removed
 
 
 def _unsafe(member: tarfile.TarInfo) -> str | None:
