@@ -65,7 +65,7 @@ DEFAULTS = {"cuda": dict(model="randq-0.5b", dtype="bfloat16", prompts=256, max_
             "cpu": dict(model="tinyq-micro", dtype="float32", prompts=16, max_tokens=16, prompt_len=16, steps=3,
                         warmup=1, raw_rounds=3, rank=8)}
 # what the worker's log says about its memory and sleep mode, kept in the JSON
-LOG_LINES = re.compile(r"vLLM memory share|fall asleep|wake up tags|Sleep mode freed|KV cache|CUDA graph")
+LOG_LINES = re.compile(r"vLLM memory share|fall asleep|wake up tags|Sleep mode freed|KV cache|engine run:")
 
 
 def prompts(args) -> list[list[int]]:

@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -368,22 +369,30 @@ class VllmEngine(Engine):
                     done(key, DomainError(400, "unsupported_request", f"the vLLM engine refuses it: {exc}").response())
                     continue
                 waiting[key] = (request, [None] * len(samples))
+                in_vllm.items += len(samples)
 
         def same_call(request: SampleRequest) -> bool:
             known = request.base_model is not None or request.model_id in self.base_of
             return known and self._call_key(request) == call_key
 
-        add(items)
+        in_vllm, outside = _Stopwatch(), _Stopwatch()  # where a run's time goes, logged at its end
+        with outside:
+            add(items)
         try:
             while engine.has_unfinished_requests():
-                for output in engine.step():
-                    if output.finished:
-                        self._collect(owners.pop(output.request_id), output, waiting, done)
-                if admit is not None:
-                    add(admit(same_call))
+                with in_vllm:
+                    outputs = engine.step()
+                with outside:
+                    for output in outputs:
+                        if output.finished:
+                            self._collect(owners.pop(output.request_id), output, waiting, done)
+                    if admit is not None:
+                        add(admit(same_call))
         except BaseException:
             engine.abort_request(list(owners))  # nothing of this run may outlive it
             raise
+        log.info("engine run: %d vLLM requests in %d steps, %.1f ms in vLLM's steps, %.1f ms outside them (adding "
+                 "requests, results, admission)", in_vllm.items, in_vllm.count, in_vllm.ms, outside.ms)
 
     def _prompt(self, base_model: str, request: SampleRequest) -> dict[str, Any]:
         prompt: dict[str, Any] = {"prompt_token_ids": request.prompt_tokens}
@@ -439,6 +448,20 @@ def _client_error() -> type[Exception]:
     except ImportError:
         return ValueError
     return VLLMClientError
+
+
+class _Stopwatch:
+    """Time spent inside `with` blocks, summed, how many there were, and a count of items the caller keeps."""
+
+    def __init__(self) -> None:
+        self.ms, self.count, self.items, self._start = 0.0, 0, 0, 0.0
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+
+    def __exit__(self, *_: object) -> None:
+        self.ms += (time.perf_counter() - self._start) * 1000
+        self.count += 1
 
 
 def _is_identity(weights: LoraWeights) -> bool:
