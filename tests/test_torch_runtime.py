@@ -422,7 +422,7 @@ def test_the_syncs_fast_export_is_peft_state_dict_exactly_and_a_copy(rt, base, t
     train_step(rt, model, lr=5e-2)
     fast, peft = rt.trainer.export_weights(model), export_adapter(trained.base, trained.adapter)
     assert list(fast.tensors) == list(peft.tensors)
-    # the adapter alone: peft would add the frozen embedding matrix of a tied model whose unembedding is adapted
+    # the adapter alone: peft would add the base's frozen lm_head matrix whenever the unembedding is adapted
     # (272 MB in bf16 for Qwen2.5-0.5B, in every sync and checkpoint)
     assert all(".lora_" in key for key in fast.tensors), [key for key in fast.tensors if ".lora_" not in key]
     assert any(".lora_B." in k and v.abs().max() > 0 for k, v in fast.tensors.items())  # trained: B moved off zero
