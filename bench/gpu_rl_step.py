@@ -259,6 +259,11 @@ def rl_steps(args, queue: Queue) -> list[dict]:
         t1 = time.perf_counter()
         row["versions_served"] = sorted({o.weights_version for o in outputs})
         row["right_version"] = row["versions_served"] == [version]
+        resample_s = 0.0
+        if args.resample:  # the same batch again, right after one: no training between (not part of the step)
+            again = [queue.wait(t, "sample") for t in queue.producer.submit_many(requests)]
+            resample_s = time.perf_counter() - t1
+            row["resample_tokens_per_s"] = tokens_of(again) / resample_s
         data = build_datums(args, requests, outputs)
         t2 = time.perf_counter()
         fb = queue.wait(queue.producer.submit(ForwardBackwardRequest(model_id=MODEL, data=data, loss_fn=args.loss)),
@@ -272,9 +277,10 @@ def rl_steps(args, queue: Queue) -> list[dict]:
         assert sync.applied and not sync.persisted and sync.version == version + 1, sync
         version = sync.version
         tokens = tokens_of(outputs)
-        row.update({"ms": dict(zip(PHASES, ((b - a) * 1e3 for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4),
+        t1b = t1 + resample_s  # the build starts after the resample
+        row.update({"ms": dict(zip(PHASES, ((b - a) * 1e3 for a, b in ((t0, t1), (t1b, t2), (t2, t3), (t3, t4),
                                                                       (t4, t5))))),
-                    "total_ms": (t5 - t0) * 1e3, "sampled_tokens": tokens, "sample_tokens_per_s": tokens / (t1 - t0),
+                    "total_ms": (t5 - t0 - resample_s) * 1e3, "sampled_tokens": tokens, "sample_tokens_per_s": tokens / (t1 - t0),
                     "train_tokens": sum(len(d.model_input) for d in data), "loss": fb.metrics.get("loss:sum"),
                     "mean_reward": statistics.fmean(reward(s.tokens) for o in outputs for s in o.sequences),
                     "version": version})
@@ -282,8 +288,9 @@ def rl_steps(args, queue: Queue) -> list[dict]:
         rows.append(row)
         ms = row["ms"]
         print(f"step {step}{' (warm-up)' if row['warmup'] else ''}: " + ", ".join(f"{k} {v:.1f}" for k, v in ms.items())
-              + f" ms; total {row['total_ms']:.0f} ms; {row['sample_tokens_per_s']:.0f} tok/s; served v"
-              f"{row['versions_served']}", flush=True)
+              + f" ms; total {row['total_ms']:.0f} ms; {row['sample_tokens_per_s']:.0f} tok/s"
+              + (f" (again at once: {row['resample_tokens_per_s']:.0f})" if args.resample else "")
+              + f"; served v{row['versions_served']}", flush=True)
     return rows
 
 
@@ -300,6 +307,8 @@ def summarize(rows: list[dict], base: dict) -> dict:
             "sample_tokens_per_s": queue_rate, "raw_tokens_per_s": raw,
             "engine_in_process_tokens_per_s": base["tokens_per_s"]["engine_in_process"],
             "sampling_ratio_to_raw": queue_rate / raw,
+            "resample_ratio_to_raw": (statistics.median(r["resample_tokens_per_s"] for r in timed) / raw
+                                      if "resample_tokens_per_s" in timed[0] else None),
             "all_served_right_version": all(r["right_version"] for r in rows)}
 
 
@@ -319,6 +328,8 @@ def print_table(args, summary: dict) -> None:
           f"{summary['raw_tokens_per_s']:.0f} tok/s (child process, before the worker), our engine in process "
           f"{summary['engine_in_process_tokens_per_s']:.0f} tok/s; queue / raw = {summary['sampling_ratio_to_raw']:.3f} "
           f"(goal >= 0.9: {goal(summary['sampling_ratio_to_raw'] >= 0.9)})")
+    if summary["resample_ratio_to_raw"] is not None:
+        print(f"the same batch sampled again at once (no training between): {summary['resample_ratio_to_raw']:.3f} of raw")
     print(f"every sample served on the version of the sync before it: {summary['all_served_right_version']}")
 
 
@@ -376,6 +387,9 @@ def main() -> None:
     parser.add_argument("--eager", action=argparse.BooleanOptionalAction, default=None,
                         help="vLLM eager (--eager) or CUDA graphs (--no-eager); default: the worker's (graphs on a GPU)")
     parser.add_argument("--sleep", action="store_true", help="vLLM sleep mode during forward passes")
+    parser.add_argument("--resample", action="store_true",
+                        help="sample the batch a second time right after the first, untimed in the step: tells a "
+                             "slowdown that follows training from one of the worker process itself")
     parser.add_argument("--tag", default="")
     parser.add_argument("--out", help="JSON path (default bench/results/gpu_rl_step[-TAG].json)")
     parser.add_argument("--baseline-json", help=argparse.SUPPRESS)  # the child process of part 1
