@@ -71,13 +71,12 @@ end
 return stored
 """
 
-# A result (as _PUT_RESULTS) plus the model's journal entry for a state-changing op (worker/journal.py), in one step: a result is
-# published only once the op is recoverable. The model's last seq moves too (max), so an owner dying right after
-# this write leaves the sequencer's position right. An optim_step counts towards the next durable checkpoint.
+# A result (as _PUT_RESULTS) plus the model's journal entry for a state-changing op (worker/journal.py), in one step:
+# a result is published only once the op is recoverable. The model's last seq moves too (max), so an owner dying right
+# after this write leaves the sequencer's position right. An optim_step counts towards the next durable checkpoint.
 # Returns the journal's length counted from its first entry ever (trimmed ones too), 0 if a result was stored already.
 # KEYS: (lease), result, request record, journal, last seq, journal base. ARGV: (token), result json, ttl, channel,
-# request id, status, then the entry, then
-# the seq_id ('' for none), then '1' for an optim_step.
+# request id, status, then the entry, then the seq_id ('' for none), then '1' for an optim_step.
 _PUT_JOURNALED = """
 if not redis.call('SET', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then return 0 end
 """ + _MARK_RECORD + """
