@@ -183,6 +183,12 @@ class WorkerProcess:
 
     def _serve_once(self, burst: bool, logging_level: str) -> bool:
         """Take free shards and consume them until the leases change (True: go on), or a stop (False)."""
+        # Which leases still hold, asked before a new incarnation touches their queues: one ended by a single lost
+        # shard (a refused write) may hold others that lapsed too, e.g. while the process was paused, and RQ's first
+        # turn cleans the registries of every queue it is given.
+        lost = self.fence.renew()
+        if lost:
+            log.warning("worker %s: its leases on shards %s are no longer its own", self.name, lost)
         self._release_surplus()
         self.take_free_shards()
         if not self.fence.tokens:  # standby: every wanted shard has a live owner
