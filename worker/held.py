@@ -108,12 +108,19 @@ class HeldOps:
             self._drop(shard, [keys.held_key(model_id), keys.held_payload_key(model_id)], [raw],
                        f"a held entry of {model_id!r}")
 
-    def deadlines(self, shard: int) -> list[tuple[str, str, float]]:
-        """(request id, model id, deadline) of every op held on the shard, by deadline: one read, made once per turn
-        of the worker's loop (nearly always of an empty set). A member that names no request of a model on this shard
-        is dropped."""
+    def deadlines(self, shards: list[int]) -> dict[int, list[tuple[bytes, float]]]:
+        """Per shard, the deadlines of the ops held on it as Redis lists them (untrusted: read them with `named`), by
+        deadline: one read for all the shards, made once per turn of the worker's loop (nearly always of empty sets)."""
+        with self.connection.pipeline(transaction=False) as pipe:
+            for shard in shards:
+                pipe.zrange(keys.held_deadlines_key(shard), 0, -1, withscores=True)
+            return dict(zip(shards, pipe.execute()))
+
+    def named(self, shard: int, members: list[tuple[bytes, float]]) -> list[tuple[str, str, float]]:
+        """(request id, model id, deadline) of each deadline member that names a request of a model on this shard; the
+        others are dropped (a fenced write: FencedOut if the shard is not ours)."""
         named = []
-        for member, deadline in self.connection.zrange(keys.held_deadlines_key(shard), 0, -1, withscores=True):
+        for member, deadline in members:
             split = _split(member)
             if split is not None and keys.shard_of(split[1], self.admission.config.num_shards) == shard:
                 named.append((*split, deadline))

@@ -272,14 +272,11 @@ class WorkerProcess:
         return worker
 
     def _tick(self) -> None:
-        for shard in list(self.fence.tokens):
-            try:
-                self.dispatcher.sequencer.sweep(shard)
-            except FencedOut:  # woken after a takeover: the parked ops are the new owner's
-                if self.rq_worker is not None:
-                    self.rq_worker.lost_shard(shard)
-                else:
-                    self.fence.forget([shard])
+        for shard in self.dispatcher.sequencer.sweep(list(self.fence.tokens)):
+            if self.rq_worker is not None:
+                self.rq_worker.lost_shard(shard)
+            else:
+                self.fence.forget([shard])
 
     def _on_job_exception(self, job, exc_type, exc_value, traceback) -> bool:
         self.dispatcher.internal_error(job, exc_type, exc_value)

@@ -107,10 +107,18 @@ class Sequencer:
                     raise  # the job in hand ran out of time, or the shard is no longer ours: stop here
                 log.exception("parked op %s failed; its error result is stored", rid)
 
-    def sweep(self, shard: int) -> None:
-        """Run parked ops whose gap a refusal at submit closed, answer those whose gap did not fill in time, and
-        let their models move on."""
-        held = self.held.deadlines(shard)
+    def sweep(self, shards: list[int]) -> list[int]:
+        """On each shard, run parked ops whose gap a refusal at submit closed, answer those whose gap did not fill in
+        time, and let their models move on; the shards found to be someone else's now (a fenced write refused)."""
+        lost = []
+        for shard, members in self.held.deadlines(shards).items():
+            try:
+                self._sweep(shard, self.held.named(shard, members))
+            except FencedOut:  # woken after a takeover: the parked ops are the new owner's
+                lost.append(shard)
+        return lost
+
+    def _sweep(self, shard: int, held: list[tuple[str, str, float]]) -> None:
         for model_id in dict.fromkeys(model_id for _, model_id, _ in held):
             self.drain(shard, model_id)
         now = time.time()
