@@ -22,7 +22,8 @@ Two parts, one after the other, so that each has the GPU to itself:
 Reports the phases' medians, the sync's share of the step (goal < 1%) and the queue's sampling tokens/s against raw
 vLLM (goal >= 0.9); writes bench/results/gpu_rl_step[-TAG].json and .png (phase times per step). With --sleep the
 worker runs vLLM in sleep mode (TINKERQ_VLLM_SLEEP_DURING_TRAINING): its forward_backward phase then includes vLLM
-falling asleep and its sync phase vLLM waking up.
+falling asleep and its sync phase vLLM waking up. With --resample each step samples its batch a second time at once
+(untimed in the step). On CUDA each step records the GPU's clocks, temperature and power before and after sampling.
 """
 
 import argparse
@@ -118,6 +119,25 @@ def build_datums(args, requests: list[SampleRequest], outputs: list) -> list[Dat
             inputs.update(weights=advantages)
         data.append(Datum(model_input=full[:-1], loss_fn_inputs=inputs))
     return data
+
+
+GPU_STATE = ("clocks.sm", "clocks.mem", "temperature.gpu", "power.draw")
+
+
+def gpu_state(device: str) -> dict | None:
+    """The GPU's clocks (MHz), temperature (C) and power (W) now, from nvidia-smi (None off CUDA or without it): read
+    right before and right after each sample phase, outside its timing, to tell a GPU slowed by the training pass
+    before it from a slower process."""
+    if not device.startswith("cuda"):
+        return None
+    try:
+        line = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(GPU_STATE)}", "--format=csv,noheader,nounits",
+                               f"--id={os.environ.get('CUDA_VISIBLE_DEVICES', '0').split(',')[0]}"],
+                              capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return dict(zip(GPU_STATE, (float(v) if v.strip().replace(".", "", 1).isdigit() else v.strip()
+                                for v in line.split(","))))
 
 
 def tokens_of(outputs) -> int:
@@ -253,17 +273,18 @@ def rl_steps(args, queue: Queue) -> list[dict]:
     version = 0  # what the producer pins samples to: the latest sync (0: none yet)
     rows = []
     for step in range(args.warmup + args.steps):
-        row: dict = {"step": step, "warmup": step < args.warmup}
+        row: dict = {"step": step, "warmup": step < args.warmup, "gpu_before_sample": gpu_state(args.device)}
         t0 = time.perf_counter()
         outputs = [queue.wait(t, "sample") for t in queue.producer.submit_many(requests)]
         t1 = time.perf_counter()
+        row["gpu_after_sample"] = gpu_state(args.device)
         row["versions_served"] = sorted({o.weights_version for o in outputs})
         row["right_version"] = row["versions_served"] == [version]
-        resample_s = 0.0
         if args.resample:  # the same batch again, right after one: no training between (not part of the step)
+            again_from = time.perf_counter()
             again = [queue.wait(t, "sample") for t in queue.producer.submit_many(requests)]
-            resample_s = time.perf_counter() - t1
-            row["resample_tokens_per_s"] = tokens_of(again) / resample_s
+            row["resample_tokens_per_s"] = tokens_of(again) / (time.perf_counter() - again_from)
+        resample_s = time.perf_counter() - t1  # what ran between the sample and the build is no phase's time
         data = build_datums(args, requests, outputs)
         t2 = time.perf_counter()
         fb = queue.wait(queue.producer.submit(ForwardBackwardRequest(model_id=MODEL, data=data, loss_fn=args.loss)),
@@ -277,7 +298,7 @@ def rl_steps(args, queue: Queue) -> list[dict]:
         assert sync.applied and not sync.persisted and sync.version == version + 1, sync
         version = sync.version
         tokens = tokens_of(outputs)
-        t1b = t1 + resample_s  # the build starts after the resample
+        t1b = t1 + resample_s  # the build starts after the GPU reading and the resample
         row.update({"ms": dict(zip(PHASES, ((b - a) * 1e3 for a, b in ((t0, t1), (t1b, t2), (t2, t3), (t3, t4),
                                                                       (t4, t5))))),
                     "total_ms": (t5 - t0 - resample_s) * 1e3, "sampled_tokens": tokens, "sample_tokens_per_s": tokens / (t1 - t0),
@@ -290,6 +311,9 @@ def rl_steps(args, queue: Queue) -> list[dict]:
         print(f"step {step}{' (warm-up)' if row['warmup'] else ''}: " + ", ".join(f"{k} {v:.1f}" for k, v in ms.items())
               + f" ms; total {row['total_ms']:.0f} ms; {row['sample_tokens_per_s']:.0f} tok/s"
               + (f" (again at once: {row['resample_tokens_per_s']:.0f})" if args.resample else "")
+              + (f"; SM clock {row['gpu_before_sample']['clocks.sm']} MHz before sampling, "
+                 f"{row['gpu_after_sample']['clocks.sm']} after" if row["gpu_before_sample"] and row["gpu_after_sample"]
+                 else "")
               + f"; served v{row['versions_served']}", flush=True)
     return rows
 
