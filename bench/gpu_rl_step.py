@@ -284,7 +284,7 @@ def rl_steps(args, queue: Queue) -> list[dict]:
             again_from = time.perf_counter()
             again = [queue.wait(t, "sample") for t in queue.producer.submit_many(requests)]
             row["resample_tokens_per_s"] = tokens_of(again) / (time.perf_counter() - again_from)
-        resample_s = time.perf_counter() - t1  # what ran between the sample and the build is no phase's time
+        aside_s = time.perf_counter() - t1  # the GPU reading and the resample: no phase's time
         data = build_datums(args, requests, outputs)
         t2 = time.perf_counter()
         fb = queue.wait(queue.producer.submit(ForwardBackwardRequest(model_id=MODEL, data=data, loss_fn=args.loss)),
@@ -298,10 +298,10 @@ def rl_steps(args, queue: Queue) -> list[dict]:
         assert sync.applied and not sync.persisted and sync.version == version + 1, sync
         version = sync.version
         tokens = tokens_of(outputs)
-        t1b = t1 + resample_s  # the build starts after the GPU reading and the resample
+        t1b = t1 + aside_s  # the build starts after them
         row.update({"ms": dict(zip(PHASES, ((b - a) * 1e3 for a, b in ((t0, t1), (t1b, t2), (t2, t3), (t3, t4),
                                                                       (t4, t5))))),
-                    "total_ms": (t5 - t0 - resample_s) * 1e3, "sampled_tokens": tokens, "sample_tokens_per_s": tokens / (t1 - t0),
+                    "total_ms": (t5 - t0 - aside_s) * 1e3, "sampled_tokens": tokens, "sample_tokens_per_s": tokens / (t1 - t0),
                     "train_tokens": sum(len(d.model_input) for d in data), "loss": fb.metrics.get("loss:sum"),
                     "mean_reward": statistics.fmean(reward(s.tokens) for o in outputs for s in o.sequences),
                     "version": version})

@@ -1,5 +1,6 @@
 """Checkpoint archives: written atomically as tar.gz, extracted only when every member is safe."""
 
+import logging
 import os
 import re
 import shutil
@@ -9,6 +10,8 @@ import time
 from pathlib import Path
 
 from worker.runtime.base import DomainError
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 8 << 30
 # A writer killed between its temp file and the rename (a SIGKILLed worker) leaves the file behind: the next write into
@@ -50,6 +53,8 @@ def remove_stale_temps(directory: Path, older_than_s: float = STALE_TEMP_S) -> l
                 removed.append(path)
         except FileNotFoundError:
             continue  # another worker removed it first
+        except OSError as exc:  # cleaning up is best effort: it never fails the write it comes before
+            log.warning("could not remove the stale temp file %s: %s", path, exc)
     return removed
 
 

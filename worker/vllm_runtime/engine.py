@@ -350,8 +350,11 @@ class VllmEngine(Engine):
         engine = self.llms[call_key[0]].llm_engine
         waiting: dict[str, tuple[SampleRequest, list[Any]]] = {}  # key -> request, its finished outputs
         owners: dict[str, tuple[str, int]] = {}  # vLLM request id -> (key, sample index)
+        in_vllm, outside = _Stopwatch(), _Stopwatch()  # where a run's time goes, logged at its end
+        run_requests = 0  # vLLM requests, for that log line
 
         def add(admitted: Keyed) -> None:
+            nonlocal run_requests
             for key, request, samples in servable(admitted, done, self._checked_params):
                 lora = None if request.base_model else self.snapshots[request.model_id][request.weights_version]
                 added = []
@@ -369,13 +372,12 @@ class VllmEngine(Engine):
                     done(key, DomainError(400, "unsupported_request", f"the vLLM engine refuses it: {exc}").response())
                     continue
                 waiting[key] = (request, [None] * len(samples))
-                in_vllm.items += len(samples)
+                run_requests += len(samples)
 
         def same_call(request: SampleRequest) -> bool:
             known = request.base_model is not None or request.model_id in self.base_of
             return known and self._call_key(request) == call_key
 
-        in_vllm, outside = _Stopwatch(), _Stopwatch()  # where a run's time goes, logged at its end
         with outside:
             add(items)
         try:
@@ -392,7 +394,7 @@ class VllmEngine(Engine):
             engine.abort_request(list(owners))  # nothing of this run may outlive it
             raise
         log.info("engine run: %d vLLM requests in %d steps, %.1f ms in vLLM's steps, %.1f ms outside them (adding "
-                 "requests, results, admission)", in_vllm.items, in_vllm.count, in_vllm.ms, outside.ms)
+                 "requests, results, admission)", run_requests, in_vllm.count, in_vllm.ms, outside.ms)
 
     def _prompt(self, base_model: str, request: SampleRequest) -> dict[str, Any]:
         prompt: dict[str, Any] = {"prompt_token_ids": request.prompt_tokens}
@@ -451,10 +453,10 @@ def _client_error() -> type[Exception]:
 
 
 class _Stopwatch:
-    """Time spent inside `with` blocks, summed, how many there were, and a count of items the caller keeps."""
+    """Time spent inside `with` blocks, summed, and how many there were."""
 
     def __init__(self) -> None:
-        self.ms, self.count, self.items, self._start = 0.0, 0, 0, 0.0
+        self.ms, self.count, self._start = 0.0, 0, 0.0
 
     def __enter__(self) -> None:
         self._start = time.perf_counter()
