@@ -18,6 +18,7 @@ plain step (straightforward), logprobs and adapter gradients. Prints a table, wr
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -35,6 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from schemas import CreateModelRequest, Datum, ForwardBackwardRequest, LoraConfig  # noqa: E402
 from tinkerq.local_models import LOCAL_MODELS  # noqa: E402
+from worker.torch_runtime.activation_checkpointing import layer_bytes_per_token, layers_to_checkpoint  # noqa: E402
 from worker.torch_runtime.base_models import BaseModels, LoadedBase  # noqa: E402
 from worker.torch_runtime.packed_forward import TrainOptions  # noqa: E402
 from worker.torch_runtime.trainer import TorchTrainer  # noqa: E402
@@ -273,8 +275,9 @@ def run_model(name: str, args) -> dict:
         for label, options in variants.items():
             trainer.options = options
             result = measure(lambda: trainer.forward(request, True), args.repeats, zero)
+            result["checkpointed_layers"] = checkpointed_layers(trained, options, sum(lengths))
             row[label] = result
-            log(f"{name} {shape} {label}: {fmt(result, row)}")
+            log(f"{name} {shape} {label}: {fmt(result, row)}, {result['checkpointed_layers']} layers checkpointed")
         trainer.options = base_options
         if not args.no_plain:
             tokens, targets, mask = padded(request, DEVICE)
@@ -284,14 +287,69 @@ def run_model(name: str, args) -> dict:
         if args.profile and shape == args.profile:
             profile(trainer, request, zero)
         rows.append(row)
+    estimate = layer_bytes_per_token(config, torch.bfloat16)
+    measured = {str(k[1:]): v for k, v in trained.base.layer_bytes.items()}
+    log(f"{name}: a layer keeps {measured} bytes per token, measured by (fused, remake_swiglu); estimated from "
+        f"the shapes {estimate}")
     result = {"model": name, "params": sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n),
-              "lora_params": sum(p.numel() for p in params.values()), "exactness": exact, "rows": rows}
+              "lora_params": sum(p.numel() for p in params.values()), "exactness": exact, "rows": rows,
+              "layer_bytes_per_token": {"measured": measured, "estimated": estimate}}
     # Dropped (not del: the closures above read them) so that the collection below frees the GPU memory.
     trainer = bases = trained = model = params = None
     gc.collect()
     if DEVICE.type == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def checkpointed_layers(trained, options: TrainOptions, tokens: int) -> int | None:
+    """How many layers the trainer checkpointed in its (first) micro-batch of this many tokens."""
+    if math.isinf(options.activation_budget_bytes):
+        return 0
+    per_token = trained.base.layer_bytes.get((trained.adapter, options.fused_kernels, options.remake_swiglu))
+    layers = trained.base.model.config.num_hidden_layers
+    n = min(tokens, options.micro_batch_tokens)
+    return None if per_token is None else layers_to_checkpoint(layers, n, per_token, options.activation_budget_bytes)
+
+
+def cuda_ms(fn, repeats: int) -> float:
+    """Mean milliseconds of fn(i) for i in range(repeats), timed with CUDA events after one warm-up call."""
+    fn(0)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    sync()
+    begin.record()
+    for i in range(repeats):
+        fn(i)
+    end.record()
+    sync()
+    return begin.elapsed_time(end) / repeats
+
+
+def softmax_kernels_bench(vocab: int = 151936, rows: int = 883, repeats: int = 20) -> dict:
+    """The unembedding's two softmax passes over one chunk of bf16 logits (the trainer's default chunk on a
+    151,936-token vocabulary): torch's float32 path against the Triton kernels, times and agreement. The
+    backward overwrites its logits: each call gets a copy made before the timing."""
+    from worker.torch_runtime import softmax_kernels as sk
+
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    logits = (3 * torch.randn(rows, vocab, device=DEVICE, generator=g)).bfloat16()
+    targets = torch.randint(0, vocab, (rows,), device=DEVICE, generator=g)
+    upstream = torch.randn(rows, device=DEVICE, generator=g)
+    runs = {}
+    for name, kernels in (("torch", False), ("triton", True)):
+        logprobs, lse = sk.target_logprobs_lse(logits, targets, kernels)
+        copies = [logits.clone() for _ in range(repeats + 1)]
+        runs[name] = {
+            "forward_ms": cuda_ms(lambda i: sk.target_logprobs_lse(logits, targets, kernels), repeats),
+            "backward_ms": cuda_ms(lambda i: sk.softmax_grad_(copies[i], targets, lse, upstream, kernels), repeats),
+            "logprobs": logprobs, "grad": sk.softmax_grad_(logits.clone(), targets, lse, upstream, kernels)}
+    torch_run, triton_run = runs["torch"], runs["triton"]
+    summary = {"rows": rows, "vocab": vocab, "bytes_per_logit": {"torch (counted)": 28, "triton": 6},
+               **{f"{name}_{k}": v for name, r in runs.items() for k, v in r.items() if k.endswith("_ms")},
+               "max_abs_logprob_diff": float((torch_run["logprobs"] - triton_run["logprobs"]).abs().max()),
+               "max_abs_grad_diff": float((torch_run["grad"].float() - triton_run["grad"].float()).abs().max())}
+    log("softmax passes, " + json.dumps(summary))
+    return summary
 
 
 def profile(trainer, request, zero) -> None:
@@ -411,12 +469,14 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     models = []
+    kernels = softmax_kernels_bench() if DEVICE.type == "cuda" else None
     for name in args.models.split(","):
         models.append(run_model(name, args))
         text = table(models)
         report = {"machine": f"{platform.node()} {machine}", "torch": torch.__version__,
                   "peak_flops": PEAK_FLOPS, "options": {k: str(v) for k, v in vars(args).items()},
-                  "defaults": str(TrainOptions.for_device(DEVICE)), "models": models, "table": text}
+                  "defaults": str(TrainOptions.for_device(DEVICE)), "softmax_kernels": kernels, "models": models,
+                  "table": text}
         (out / f"{args.tag}.json").write_text(json.dumps(report, indent=2, default=str))  # after each model
     print("\n" + text, flush=True)
     plot(models, out / f"{args.tag}.png")

@@ -34,6 +34,8 @@ class LoadedBase:
     model: torch.nn.Module  # a PeftModel once the first adapter exists
     device: torch.device
     adapters: set[str] = field(default_factory=set)
+    # what one decoder layer keeps per token in the trainer, by (adapter, kernels...): packed_forward measures it
+    layer_bytes: dict[tuple, int] = field(default_factory=dict)
 
     @property
     def vocab_size(self) -> int:
@@ -52,6 +54,7 @@ class LoadedBase:
         if name in self.adapters:
             self.model.delete_adapter(name)
             self.adapters.discard(name)
+            self.layer_bytes = {k: v for k, v in self.layer_bytes.items() if k[0] != name}
 
 
 def resolve_device(name: str) -> torch.device:

@@ -5,9 +5,9 @@ mean, rsqrt, multiply, cast back), SiLU(gate) x up as two, and rotary as four pe
 [tokens, width] tensor in the forward, again in the backward, and again in a checkpointed layer's recompute.
 Liger fuses each into one kernel, forward and backward, computing what HF computes (its "llama" casting mode
 takes the inverse RMS in float32, as HF does) up to bf16 rounding. The model's classes are patched for the
-duration of one trainer call, as `lean_lora` patches peft's, so the sampler keeps HF's code. Where the model is
-not of such a family, its MLP is not SiLU-gated, or liger_kernel / Triton are not installed, nothing changes:
-the CPU path stays the exact, plain one.
+duration of one trainer call, as `lean_lora` patches peft's, so the sampler keeps HF's code (the MLP's patch is
+`gated_mlp`'s, which takes Liger's SwiGLU from here). Where the model is not of such a family, or liger_kernel /
+Triton are not installed, nothing changes: the CPU path stays the exact, plain one.
 """
 
 import importlib.util
@@ -32,10 +32,11 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return liger_rms_norm(hidden_states, self.weight, self.variance_epsilon, casting_mode="llama", in_place=False)
 
 
-def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) x up in one kernel (and one in the backward, which keeps only gate and up)."""
     from liger_kernel.transformers.functional import liger_swiglu
 
-    return self.down_proj(liger_swiglu(self.gate_proj(x), self.up_proj(x)))
+    return liger_swiglu(gate, up)
 
 
 def _apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1):
@@ -54,20 +55,32 @@ def _patched(owner: object, name: str, value: object) -> Iterator[None]:
         setattr(owner, name, previous)
 
 
+@contextmanager
+def patched(owners: list[tuple[object, str, object]]) -> Iterator[None]:
+    """Each (owner, attribute, replacement) set for the duration, and put back after."""
+    with ExitStack() as stack:
+        for owner, name, value in owners:
+            stack.enter_context(_patched(owner, name, value))
+        yield
+
+
+def family_class(model: torch.nn.Module, suffix: str) -> type | None:
+    """The model's own `<Family><suffix>` class (Qwen2RMSNorm, Qwen2MLP...) where it is of a family above."""
+    if getattr(model.config, "model_type", None) not in FAMILIES:
+        return None
+    module = sys.modules[type(model).__module__]  # transformers.models.<family>.modeling_<family>
+    return getattr(module, type(model).__name__.removesuffix("ForCausalLM") + suffix, None)
+
+
 def _patches(model: torch.nn.Module) -> list[tuple[object, str, object]]:
     """(owner, attribute, replacement) for the model's family; none for another family."""
-    config = model.config
-    if getattr(config, "model_type", None) not in FAMILIES:
+    if getattr(model.config, "model_type", None) not in FAMILIES:
         return []
-    module = sys.modules[type(model).__module__]  # transformers.models.<family>.modeling_<family>
-    prefix = type(model).__name__.removesuffix("ForCausalLM")
+    module = sys.modules[type(model).__module__]
     patches: list[tuple[object, str, object]] = []
-    norm = getattr(module, f"{prefix}RMSNorm", None)
+    norm = family_class(model, "RMSNorm")
     if norm is not None:
         patches.append((norm, "forward", _rms_norm_forward))
-    mlp = getattr(module, f"{prefix}MLP", None)
-    if mlp is not None and getattr(config, "hidden_act", None) in ("silu", "swish"):
-        patches.append((mlp, "forward", _mlp_forward))
     if hasattr(module, "apply_rotary_pos_emb"):
         patches.append((module, "apply_rotary_pos_emb", _apply_rotary_pos_emb))
     return patches
@@ -75,9 +88,6 @@ def _patches(model: torch.nn.Module) -> list[tuple[object, str, object]]:
 
 @contextmanager
 def fused_kernels(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
-    """Liger's kernels in the model's RMSNorm, MLP and rotary for the duration (a no-op unless `enabled`)."""
-    with ExitStack() as stack:
-        if enabled:
-            for owner, name, value in _patches(model):
-                stack.enter_context(_patched(owner, name, value))
+    """Liger's kernels in the model's RMSNorm and rotary for the duration (a no-op unless `enabled`)."""
+    with patched(_patches(model) if enabled else []):
         yield

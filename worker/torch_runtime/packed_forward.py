@@ -2,7 +2,8 @@
 
 The datums are packed without padding into micro-batches up to a token budget (`packing`); each micro-batch
 goes through the decoder (attention per sequence: `packed_attention`; LoRA updates fused, in the base's
-dtype: `lora_compute`; as many layers checkpointed as the activation budget asks: `activation_checkpointing`),
+dtype: `lora_compute`; as many layers checkpointed as the activation budget asks: `activation_checkpointing`;
+in the layers kept whole, the MLP's SwiGLU product remade in the backward instead of kept: `gated_mlp`),
 then through the unembedding in chunks to per-token target logprobs (`unembedding`), then through the loss of
 each datum, `losses.elementwise_loss` on that datum's logprobs, and backward. Gradients accumulate over
 micro-batches, and are committed only when the whole call succeeds, so a request that fails halfway leaves the
@@ -19,13 +20,21 @@ import torch
 from schemas import ForwardRequest
 from worker.runtime.base import DomainError
 from worker.torch_runtime import losses
-from worker.torch_runtime.activation_checkpointing import checkpointed, layer_bytes_per_token, layers_to_checkpoint
+from worker.torch_runtime.activation_checkpointing import (
+    checkpointed,
+    layer_bytes_per_token,
+    layers_to_checkpoint,
+    measured_bytes_per_token,
+)
 from worker.torch_runtime.base_models import LoadedBase
 from worker.torch_runtime.fused_kernels import available as fused_kernels_available, fused_kernels
+from worker.torch_runtime.gated_mlp import gated_mlp, products_remade
 from worker.torch_runtime.lora_compute import lean_lora
 from worker.torch_runtime.packed_attention import packed
 from worker.torch_runtime.packing import Flat, MicroBatch, flatten, micro_batches
 from worker.torch_runtime.unembedding import Head, chunk_tokens, head_of, target_logprobs
+
+PROBE_TOKENS = 1024  # tokens of the pass that measures what a layer keeps (CUDA)
 
 # The loss of datum i from its target logprobs and inputs: per token (a built-in loss), or 0-dim (a custom one).
 DatumLoss = Callable[[int, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
@@ -47,6 +56,8 @@ class TrainOptions:
     logits_chunk_elements: int = 1 << 27  # logits values alive at once in the unembedding (x 8 bytes at peak)
     activation_budget_bytes: float = math.inf  # activations kept whole per micro-batch; the rest is recomputed
     fused_kernels: bool = False  # Liger's RMSNorm / SwiGLU / rotary kernels (fused_kernels.py; CUDA only)
+    remake_swiglu: bool = True  # whole layers remake the MLP's SwiGLU product in the backward (gated_mlp.py)
+    softmax_kernels: bool = True  # the unembedding's softmax passes in Triton where usable (softmax_kernels.py)
 
     @classmethod
     def for_device(cls, device: torch.device) -> "TrainOptions":
@@ -78,10 +89,11 @@ def forward_request(base: LoadedBase, adapter: str, request: ForwardRequest, bac
     passes = []
     layers = list(getattr(decoder, "layers", []))
     with (torch.set_grad_enabled(backward), packed(causal.config), lean_lora(),
-          fused_kernels(causal, options.fused_kernels), _committed_on_success(params, backward)):
+          fused_kernels(causal, options.fused_kernels), gated_mlp(causal, options.fused_kernels),
+          _committed_on_success(params, backward)):
         for batch in micro_batches(flat, options.micro_batch_tokens, base.device):
-            count = _checkpoint_count(decoder, causal.config, batch, options) if backward else 0
-            with checkpointed(layers, count):
+            count = _checkpoint_count(base, adapter, tokens, batch, options) if backward else 0
+            with checkpointed(layers, count), products_remade(layers[count:], options.remake_swiglu):
                 passes.append(_run(decoder, head, tokens, targets, flat, batch, loss, backward, options))
     return _outputs(flat, passes)
 
@@ -93,7 +105,7 @@ def _run(decoder, head: Head, tokens, targets, flat: Flat, batch: MicroBatch, lo
                      cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens, max_length_q=batch.max_len,
                      max_length_k=batch.max_len).last_hidden_state[0]
     chunk = chunk_tokens(head.weight.shape[0], options.logits_chunk_elements)
-    logprobs = target_logprobs(hidden, head, targets[span], chunk)
+    logprobs = target_logprobs(hidden, head, targets[span], chunk, options.softmax_kernels)
     elementwise = []
     for i in range(batch.first, batch.stop):
         start = flat.starts[i] - batch.start
@@ -104,10 +116,38 @@ def _run(decoder, head: Head, tokens, targets, flat: Flat, batch: MicroBatch, lo
     return _Pass(logprobs.detach(), [e.detach() for e in elementwise], total.detach())
 
 
-def _checkpoint_count(decoder, config, batch: MicroBatch, options: TrainOptions) -> int:
-    layers = len(getattr(decoder, "layers", []))
-    per_token = layer_bytes_per_token(config, decoder.get_input_embeddings().weight.dtype)
-    return layers_to_checkpoint(layers, batch.tokens, per_token, options.activation_budget_bytes)
+def _checkpoint_count(base: LoadedBase, adapter: str, tokens: torch.Tensor, batch: MicroBatch,
+                      options: TrainOptions) -> int:
+    if math.isinf(options.activation_budget_bytes):
+        return 0
+    decoder = base.model.get_base_model().get_decoder()
+    layers = list(getattr(decoder, "layers", []))
+    if base.device.type == "cuda":
+        per_token = _measured_layer_bytes(base, adapter, decoder, layers, tokens[batch.start: batch.end], options)
+    else:
+        per_token = layer_bytes_per_token(decoder.config, decoder.get_input_embeddings().weight.dtype)
+    return layers_to_checkpoint(len(layers), batch.tokens, per_token, options.activation_budget_bytes)
+
+
+def _measured_layer_bytes(base: LoadedBase, adapter: str, decoder, layers: list, tokens: torch.Tensor,
+                          options: TrainOptions) -> int:
+    """What one whole layer keeps per token with this adapter and these kernels, measured on a pass over the first
+    PROBE_TOKENS tokens at the adapter's first call (a few ms, once) instead of estimated from the shapes."""
+    key = (adapter, options.fused_kernels, options.remake_swiglu)
+    if key not in base.layer_bytes:
+        probe = tokens[:PROBE_TOKENS]
+        with products_remade(layers, options.remake_swiglu):
+            base.layer_bytes[key] = measured_bytes_per_token(lambda: _decode(decoder, probe), base.device,
+                                                             probe.shape[0], len(layers))
+    return base.layer_bytes[key]
+
+
+def _decode(decoder, tokens: torch.Tensor) -> torch.Tensor:
+    """The decoder's last hidden states over `tokens` as one sequence."""
+    n = tokens.shape[0]
+    cu = torch.tensor([0, n], dtype=torch.int32, device=tokens.device)
+    return decoder(input_ids=tokens[None], position_ids=torch.arange(n, device=tokens.device)[None], use_cache=False,
+                   cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=n, max_length_k=n).last_hidden_state[0]
 
 
 def _outputs(flat: Flat, passes: list[_Pass]) -> tuple[list[dict[str, list[float]]], float]:

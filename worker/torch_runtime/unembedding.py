@@ -5,7 +5,8 @@
 adapter has one there) applied inside. The forward keeps nothing per chunk but the target logprob; the
 backward recomputes each chunk's logits and turns them straight into the gradients of the hidden states and
 of the LoRA A and B, so memory is O(chunk x vocab) whatever the batch and the frozen base weight gets no
-gradient. Logits stay in the model's dtype (as the sampler's are) and the softmax runs in float32.
+gradient. Logits stay in the model's dtype (as the sampler's are) and the softmax runs in float32, row by row in
+one Triton kernel per pass on CUDA (`softmax_kernels`; the gradient written over the recomputed logits).
 
 Why not Liger-Kernel's fused linear cross-entropy: it computes the gradients inside its forward and its backward
 multiplies them by `grad_output` as one scalar (element_mul_kernel loads a single value), so with reduction="none"
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 from peft.tuners.lora import LoraLayer
+
+from worker.torch_runtime.softmax_kernels import softmax_grad_, target_logprobs_lse
 
 
 @dataclass(frozen=True)
@@ -49,57 +52,63 @@ def chunk_tokens(vocab: int, chunk_elements: int) -> int:
     return max(16, chunk_elements // vocab)
 
 
-def target_logprobs(hidden: torch.Tensor, head: Head, targets: torch.Tensor, chunk: int) -> torch.Tensor:
-    """hidden [n, d], targets [n] -> float32 [n]."""
+def target_logprobs(hidden: torch.Tensor, head: Head, targets: torch.Tensor, chunk: int,
+                    kernels: bool = True) -> torch.Tensor:
+    """hidden [n, d], targets [n] -> float32 [n]; `kernels`: the softmax passes in Triton where they can be."""
     return _TargetLogprobs.apply(hidden, targets, head.weight, head.bias, head.lora_a, head.lora_b, head.scale,
-                                 chunk)
+                                 chunk, kernels)
+
+
+def _cast(lora: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A LoRA kept in float32 over a bf16 base computes in bf16, as the decoder's LoRA layers do in the trainer
+    (`lora_compute`)."""
+    return None if lora is None else lora.to(dtype)
 
 
 def _logits(h: torch.Tensor, weight, bias, lora_a, lora_b, scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logits in the dtype of h and weight; a LoRA kept in float32 over a bf16 base computes in bf16, as the
-    decoder's LoRA layers do in the trainer (`lora_compute`)."""
+    """Logits in the dtype of h and weight (the LoRA already cast to it)."""
     logits = torch.nn.functional.linear(h, weight, bias)
     if lora_a is None:
         return logits, None
-    down = h @ lora_a.to(h.dtype).t()  # [c, r]
-    return logits.addmm_(down, lora_b.to(h.dtype).t(), alpha=scale), down
+    down = h @ lora_a.t()  # [c, r]
+    return logits.addmm_(down, lora_b.t(), alpha=scale), down
 
 
 class _TargetLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, targets, weight, bias, lora_a, lora_b, scale, chunk):
+    def forward(ctx, hidden, targets, weight, bias, lora_a, lora_b, scale, chunk, kernels):
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(out)  # kept for the backward: [n] floats instead of a second reduction per row
+        ctx.lora_dtype = lora_a.dtype if lora_a is not None else None
+        lora_a, lora_b = _cast(lora_a, hidden.dtype), _cast(lora_b, hidden.dtype)  # once, not once per chunk
         for s in range(0, hidden.shape[0], chunk):
             logits, _ = _logits(hidden[s: s + chunk], weight, bias, lora_a, lora_b, scale)
-            logprobs = torch.log_softmax(logits, -1, dtype=torch.float32)
-            out[s: s + chunk] = logprobs.gather(1, targets[s: s + chunk, None])[:, 0]
-        ctx.save_for_backward(hidden, targets, weight, bias, lora_a, lora_b)
-        ctx.scale, ctx.chunk = scale, chunk
+            out[s: s + chunk], lse[s: s + chunk] = target_logprobs_lse(logits, targets[s: s + chunk], kernels)
+        ctx.save_for_backward(hidden, targets, weight, bias, lora_a, lora_b, lse)
+        ctx.scale, ctx.chunk, ctx.kernels = scale, chunk, kernels
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, targets, weight, bias, lora_a, lora_b = ctx.saved_tensors
+        hidden, targets, weight, bias, lora_a, lora_b, lse = ctx.saved_tensors
         scale, chunk = ctx.scale, ctx.chunk
         want_h, want_a, want_b = ctx.needs_input_grad[0], ctx.needs_input_grad[4], ctx.needs_input_grad[5]
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_a = torch.zeros(lora_a.shape, dtype=torch.float32, device=hidden.device) if want_a else None
         grad_b = torch.zeros(lora_b.shape, dtype=torch.float32, device=hidden.device) if want_b else None
         for s in range(0, hidden.shape[0], chunk):
-            h, t, g = hidden[s: s + chunk], targets[s: s + chunk, None], grad[s: s + chunk, None].float()
+            h = hidden[s: s + chunk]
             logits, down = _logits(h, weight, bias, lora_a, lora_b, scale)
             # d logprob[t] / d logits = onehot(t) - softmax, times the upstream gradient of each token
-            dlogits = torch.softmax(logits, -1, dtype=torch.float32).mul_(-g).scatter_add_(1, t, g)
-            dlogits = dlogits.to(logits.dtype)
-            del logits
-            up = dlogits @ lora_b.to(dlogits.dtype) if lora_b is not None else None  # [c, r]
+            dlogits = softmax_grad_(logits, targets[s: s + chunk], lse[s: s + chunk], grad[s: s + chunk], ctx.kernels)
+            up = dlogits @ lora_b if lora_b is not None else None  # [c, r]
             if want_h:
                 gh = dlogits @ weight
-                grad_h[s: s + chunk] = gh.addmm_(up, lora_a.to(up.dtype), alpha=scale) if up is not None else gh
+                grad_h[s: s + chunk] = gh.addmm_(up, lora_a, alpha=scale) if up is not None else gh
             if want_b:
                 grad_b.add_(dlogits.t() @ down, alpha=scale)
             if want_a:
                 grad_a.add_(up.t() @ h, alpha=scale)
-        grad_a = grad_a.to(lora_a.dtype) if want_a else None
-        grad_b = grad_b.to(lora_b.dtype) if want_b else None
-        return grad_h, None, None, None, grad_a, grad_b, None, None
+        grad_a = grad_a.to(ctx.lora_dtype) if want_a else None
+        grad_b = grad_b.to(ctx.lora_dtype) if want_b else None
+        return grad_h, None, None, None, grad_a, grad_b, None, None, None
