@@ -231,3 +231,17 @@ def test_datums_become_the_tensors_torch_tensor_makes_of_their_lists():
     assert flat.inputs["advantages"].values.dtype == torch.float32
     with pytest.raises(DomainError, match="outside"):
         flatten([Datum(model_input=[1, 2048], loss_fn_inputs={"target_tokens": [2.0, 3.0]})], 2048, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("loss_fn, calls", [("importance_sampling", 1), ("gspo", len(LENGTHS))])
+def test_a_per_token_loss_is_one_call_over_the_micro_batch(trainer, models, loss_fn, calls, monkeypatch):
+    """No per-datum ops on the hot path where the loss is per token; gspo (a mean per sequence) goes datum by datum."""
+    trainer.options = OPTIONS["one pass"]
+    model = models["tinyq-micro"]
+    request = batch(trainer, model, loss_fn)
+    seen = []
+    real = losses.elementwise_loss
+    monkeypatch.setattr(losses, "elementwise_loss", lambda *a: seen.append(len(a[1])) or real(*a))
+    trainer.forward(request, True)
+    zero(trainer, model)
+    assert len(seen) == calls and sum(seen) == sum(LENGTHS)

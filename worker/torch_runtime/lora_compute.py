@@ -6,6 +6,12 @@ output, a multiply and an add over the whole output, each of them again in the b
 a layer with one plain LoRA adapter active computes `addmm(base(x), x @ A^T, B^T, alpha=scaling)` instead, with
 A and B cast to x's dtype (they stay float32 masters for AdamW): one matmul epilogue instead of four passes.
 Anything else (mixed-adapter batches, DoRA and other variants, dropout, a LoRA bias) takes peft's own path.
+
+Casting A and B inside each layer is two kernels in the forward and two in the backward per adapted module (seven
+a layer), each with its autograd node: on a small model most of what the CPU issues. `ComputeCopies` casts all of an
+adapter's lean layers' A and B at once, into one buffer of the compute dtype that autograd treats as a leaf, and
+after the backward adds its gradient, cast back once, into the float32 masters' `.grad`: the same numbers (the
+gradient of a cast is the cast gradient), two kernels for the whole adapter.
 """
 
 from collections.abc import Iterator
@@ -15,22 +21,80 @@ import torch
 from peft.tuners.lora.layer import Linear as LoraLinear
 
 _peft_forward = LoraLinear.forward
+COPIES = "_tinkerq_compute_copies"  # on a lean layer, for the duration: (adapter, A, B) in the compute dtype
 
 
-def _lean_forward(self: LoraLinear, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+def _lean_adapter(self: LoraLinear) -> str | None:
+    """The one plain LoRA adapter the layer runs, where the lean path can compute it."""
     active = [a for a in self.active_adapters if a in self.lora_A]
-    if args or kwargs or self.disable_adapters or self.merged or len(active) != 1:
-        return _peft_forward(self, x, *args, **kwargs)
+    if self.disable_adapters or self.merged or len(active) != 1:
+        return None
     name = active[0]
     lora_a, lora_b = self.lora_A[name], self.lora_B[name]
     if (name in self.lora_variant or not isinstance(self.lora_dropout[name], torch.nn.Identity)
             or lora_a.bias is not None or lora_b.bias is not None):
+        return None
+    return name
+
+
+def _lean_forward(self: LoraLinear, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    name = None if args or kwargs else _lean_adapter(self)
+    if name is None:
         return _peft_forward(self, x, *args, **kwargs)
+    copies = getattr(self, COPIES, None)
+    if copies is not None and copies[0] == name and copies[1].dtype == x.dtype:
+        a, b = copies[1], copies[2]
+    else:
+        a, b = self.lora_A[name].weight.to(x.dtype), self.lora_B[name].weight.to(x.dtype)
     result = self.base_layer(x)
-    down = torch.nn.functional.linear(x, lora_a.weight.to(x.dtype))
-    fused = torch.addmm(result.reshape(-1, result.shape[-1]), down.reshape(-1, down.shape[-1]),
-                        lora_b.weight.to(x.dtype).t(), alpha=self.scaling[name])
+    down = torch.nn.functional.linear(x, a)
+    fused = torch.addmm(result.reshape(-1, result.shape[-1]), down.reshape(-1, down.shape[-1]), b.t(),
+                        alpha=self.scaling[name])
     return fused.view(result.shape)
+
+
+class ComputeCopies:
+    """One trainer pass's copies of an adapter's lean LoRA weights in `dtype` (see the module's text). Use as a
+    context around the pass's forward and backward; `flush()` after each backward."""
+
+    def __init__(self, model: torch.nn.Module, adapter: str, dtype: torch.dtype, skip: torch.nn.Module | None,
+                 enabled: bool = True):
+        """`skip`: a LoRA layer whose forward the pass does not call (the unembedding, computed in chunks)."""
+        self.layers = [m for m in model.modules() if enabled and isinstance(m, LoraLinear) and m is not skip
+                       and _lean_adapter(m) == adapter and m.lora_A[adapter].weight.dtype != dtype]
+        self.adapter = adapter
+        self.masters = [w for m in self.layers for w in (m.lora_A[adapter].weight, m.lora_B[adapter].weight)]
+        self.flat: torch.Tensor | None = None
+        if self.masters:
+            self.flat = torch.cat([w.detach().reshape(-1) for w in self.masters]).to(dtype)
+            self.flat.requires_grad_(torch.is_grad_enabled() and any(w.requires_grad for w in self.masters))
+
+    def __enter__(self) -> "ComputeCopies":
+        if self.flat is not None:
+            views = [v.view(w.shape) for v, w in zip(self.flat.split([w.numel() for w in self.masters]),
+                                                     self.masters)]
+            for i, layer in enumerate(self.layers):
+                setattr(layer, COPIES, (self.adapter, views[2 * i], views[2 * i + 1]))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for layer in self.layers:
+            setattr(layer, COPIES, None)
+
+    def flush(self) -> None:
+        """The copies' gradient, cast back, added into the masters' `.grad` (set where it was None)."""
+        grad = None if self.flat is None else self.flat.grad
+        if grad is None:
+            return
+        self.flat.grad = None
+        parts = [g.view(w.shape) for g, w in zip(grad.float().split([w.numel() for w in self.masters]),
+                                                 self.masters)]
+        fresh = [(w, g) for w, g in zip(self.masters, parts) if w.grad is None]
+        for w, g in fresh:
+            w.grad = g
+        held = [(w.grad, g) for w, g in zip(self.masters, parts) if w.grad is not g]
+        if held:
+            torch._foreach_add_([h for h, _ in held], [g for _, g in held])
 
 
 @contextmanager

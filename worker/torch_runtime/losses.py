@@ -105,6 +105,10 @@ LOSSES: dict[str, LossFn] = {
 }
 
 
+# the losses whose value at a token depends on that token's inputs alone (gspo's takes a mean over its sequence)
+PER_TOKEN = frozenset(LOSSES) - {"gspo"}
+
+
 def elementwise_loss(name: str, p: torch.Tensor, inputs: Inputs, config: dict[str, float]) -> torch.Tensor:
     """Per-token loss of one datum; the request's loss is the sum over tokens and datums."""
     return LOSSES[name](p, inputs, config)

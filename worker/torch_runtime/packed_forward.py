@@ -29,7 +29,7 @@ from worker.torch_runtime.activation_checkpointing import (
 from worker.torch_runtime.base_models import LoadedBase
 from worker.torch_runtime.fused_kernels import available as fused_kernels_available, fused_kernels
 from worker.torch_runtime.gated_mlp import gated_mlp, products_remade
-from worker.torch_runtime.lora_compute import lean_lora
+from worker.torch_runtime.lora_compute import ComputeCopies, lean_lora
 from worker.torch_runtime.packed_attention import packed
 from worker.torch_runtime.packing import Flat, MicroBatch, flatten, micro_batches
 from worker.torch_runtime.unembedding import Head, chunk_tokens, head_of, target_logprobs
@@ -40,14 +40,28 @@ PROBE_TOKENS = 1024  # tokens of the pass that measures what a layer keeps (CUDA
 DatumLoss = Callable[[int, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 
 
-def builtin_loss(request: ForwardRequest) -> DatumLoss:
-    """The request's built-in loss function, per token; a missing input or config value is a DomainError 400."""
-    def loss(index: int, p: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+@dataclass(frozen=True)
+class BuiltinLoss:
+    """The request's built-in loss function, per token; a missing input or config value is a DomainError 400.
+    A DatumLoss; where each token's loss depends on that token alone (`losses.PER_TOKEN`), also callable once over
+    the tokens of many datums."""
+
+    name: str
+    config: dict[str, float]
+
+    @property
+    def per_token(self) -> bool:
+        return self.name in losses.PER_TOKEN
+
+    def __call__(self, index: int, p: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         try:
-            return losses.elementwise_loss(request.loss_fn, p, inputs, request.loss_fn_config)
+            return losses.elementwise_loss(self.name, p, inputs, self.config)
         except KeyError as exc:
-            raise DomainError(400, "invalid_request", f"{request.loss_fn}: {exc.args[0]}") from exc
-    return loss
+            raise DomainError(400, "invalid_request", f"{self.name}: {exc.args[0]}") from exc
+
+
+def builtin_loss(request: ForwardRequest) -> BuiltinLoss:
+    return BuiltinLoss(request.loss_fn, request.loss_fn_config)
 
 
 @dataclass(frozen=True)
@@ -58,6 +72,7 @@ class TrainOptions:
     fused_kernels: bool = False  # Liger's RMSNorm / SwiGLU / rotary kernels (fused_kernels.py; CUDA only)
     remake_swiglu: bool = True  # whole layers remake the MLP's SwiGLU product in the backward (gated_mlp.py)
     softmax_kernels: bool = True  # the unembedding's softmax passes in Triton where usable (softmax_kernels.py)
+    lora_copies: bool = True  # the adapter's A and B cast to the compute dtype once a pass (lora_compute.py)
 
     @classmethod
     def for_device(cls, device: torch.device) -> "TrainOptions":
@@ -88,13 +103,16 @@ def forward_request(base: LoadedBase, adapter: str, request: ForwardRequest, bac
     tokens, targets = flat.tokens.to(base.device), flat.targets.to(base.device)
     passes = []
     layers = list(getattr(decoder, "layers", []))
+    dtype = decoder.get_input_embeddings().weight.dtype
     with (torch.set_grad_enabled(backward), packed(causal.config), lean_lora(),
           fused_kernels(causal, options.fused_kernels), gated_mlp(causal, options.fused_kernels),
           _committed_on_success(params, backward)):
         for batch in micro_batches(flat, options.micro_batch_tokens, base.device):
             count = _checkpoint_count(base, adapter, tokens, batch, options) if backward else 0
-            with checkpointed(layers, count), products_remade(layers[count:], options.remake_swiglu):
+            copies = ComputeCopies(causal, adapter, dtype, causal.get_output_embeddings(), options.lora_copies)
+            with checkpointed(layers, count), products_remade(layers[count:], options.remake_swiglu), copies:
                 passes.append(_run(decoder, head, tokens, targets, flat, batch, loss, backward, options))
+                copies.flush()
     return _outputs(flat, passes)
 
 
@@ -106,14 +124,36 @@ def _run(decoder, head: Head, tokens, targets, flat: Flat, batch: MicroBatch, lo
                      max_length_k=batch.max_len).last_hidden_state[0]
     chunk = chunk_tokens(head.weight.shape[0], options.logits_chunk_elements)
     logprobs = target_logprobs(hidden, head, targets[span], chunk, options.softmax_kernels)
+    elementwise, total = _losses(loss, flat, batch, logprobs)
+    if backward:
+        total.backward()
+    return _Pass(logprobs.detach(), [e.detach() for e in elementwise], total.detach())
+
+
+def _losses(loss: DatumLoss, flat: Flat, batch: MicroBatch, logprobs: torch.Tensor) -> tuple[list, torch.Tensor]:
+    """Each datum's loss (per token, or 0-dim) and their sum. A per-token built-in loss over datums that all have
+    the same inputs is one call over the micro-batch's tokens (no per-datum ops in the forward or the backward,
+    the same numbers); anything else is called datum by datum."""
+    inputs = _shared_inputs(flat, batch) if isinstance(loss, BuiltinLoss) and loss.per_token else None
+    if inputs is not None:
+        whole = loss(batch.first, logprobs, inputs)
+        return list(whole.split(flat.lengths[batch.first: batch.stop])), whole.sum()
     elementwise = []
     for i in range(batch.first, batch.stop):
         start = flat.starts[i] - batch.start
         elementwise.append(loss(i, logprobs[start: start + flat.lengths[i]], flat.inputs_of(i)))
-    total = torch.cat([e.reshape(-1) for e in elementwise]).sum()
-    if backward:
-        total.backward()
-    return _Pass(logprobs.detach(), [e.detach() for e in elementwise], total.detach())
+    return elementwise, torch.cat([e.reshape(-1) for e in elementwise]).sum()
+
+
+def _shared_inputs(flat: Flat, batch: MicroBatch) -> dict[str, torch.Tensor] | None:
+    """Every input over the micro-batch's tokens, where each of its datums has each input; else None."""
+    out = {}
+    for key, values in flat.inputs.items():
+        if any(i not in values.starts for i in range(batch.first, batch.stop)):
+            return None
+        start = values.starts[batch.first]
+        out[key] = values.values[start: start + batch.tokens]
+    return out
 
 
 def _checkpoint_count(base: LoadedBase, adapter: str, tokens: torch.Tensor, batch: MicroBatch,

@@ -1,0 +1,86 @@
+"""The trainer's LoRA layers over a bf16 base (worker/torch_runtime/lora_compute.py), on the CPU: with the
+adapter's A and B cast to bf16 once a pass (ComputeCopies) every output and every float32 master gradient is
+bit for bit what casting inside each layer gives, over several micro-batches and checkpointed layers, in far fewer
+casts; a failed call leaves no gradient behind either way."""
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from schemas import CreateModelRequest, Datum, ForwardBackwardRequest, LoraConfig
+from worker.runtime.base import DomainError
+from worker.torch_runtime.base_models import BaseModels
+from worker.torch_runtime.packed_forward import TrainOptions
+from worker.torch_runtime.trainer import TorchTrainer
+
+MODEL = "lean-bf16:train:0"
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    trainer = TorchTrainer(BaseModels("cpu", "bfloat16"), Path(tempfile.mkdtemp(prefix="lora-compute-")))
+    trainer.create_model(CreateModelRequest(model_id=MODEL, base_model="tinyq-micro", lora=LoraConfig(rank=4, seed=0)))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in params(trainer):
+            p.normal_(0.0, 0.05)
+    assert all(p.dtype == torch.float32 for p in params(trainer))  # peft's float32 masters over the bf16 base
+    return trainer
+
+
+def params(trainer):
+    return trainer.models[MODEL].optimizer.param_groups[0]["params"]
+
+
+def request(advantages: bool = True) -> ForwardBackwardRequest:
+    g = torch.Generator().manual_seed(0)
+    data = []
+    for n in (9, 14, 3, 20):
+        tokens = torch.randint(0, 2048, (n + 1,), generator=g).tolist()
+        inputs = {"target_tokens": [float(t) for t in tokens[1:]], "logprobs": [-3.0] * n}
+        if advantages:
+            inputs["advantages"] = torch.randn(n, generator=g).tolist()
+        data.append(Datum(model_input=tokens[:-1], loss_fn_inputs=inputs))
+    return ForwardBackwardRequest(model_id=MODEL, data=data, loss_fn="importance_sampling")
+
+
+def run(trainer, copies: bool, budget: float):
+    trainer.options = TrainOptions(micro_batch_tokens=24, activation_budget_bytes=budget, lora_copies=copies)
+    for p in params(trainer):
+        p.grad = None
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = trainer.forward(request(), True)
+    casts = sum(e.count for e in prof.key_averages() if e.key == "aten::_to_copy")
+    grads = [p.grad.clone() for p in params(trainer)]
+    return out, grads, casts
+
+
+@pytest.mark.parametrize("budget", [float("inf"), 0])
+def test_copies_give_the_same_bits_in_fewer_casts(trainer, budget):
+    out_plain, grads_plain, casts_plain = run(trainer, False, budget)
+    out_copies, grads_copies, casts_copies = run(trainer, True, budget)
+    assert out_copies.loss_fn_outputs == out_plain.loss_fn_outputs
+    assert out_copies.metrics == out_plain.metrics
+    for a, b in zip(grads_copies, grads_plain, strict=True):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+    lean_layers = 7 * trainer.models[MODEL].base.model.config.num_hidden_layers  # attention + MLP
+    passes = 3
+    # casting in each layer is A and B in every pass's forward (and again in the backward): all but the copies' own
+    assert casts_plain - casts_copies >= 2 * lean_layers * passes - 3 * passes, (casts_copies, casts_plain)
+
+
+def test_a_failed_call_leaves_the_earlier_gradients(trainer):
+    trainer.options = TrainOptions(micro_batch_tokens=24)
+    for p in params(trainer):
+        p.grad = None
+    trainer.forward(request(), True)
+    before = [p.grad.clone() for p in params(trainer)]
+    bad = request()
+    del bad.data[-1].loss_fn_inputs["advantages"]  # alone in the last of three passes
+    with pytest.raises(DomainError, match="advantages"):
+        trainer.forward(bad, True)
+    for p, b in zip(params(trainer), before):
+        assert torch.equal(p.grad, b)
