@@ -13,9 +13,11 @@ tensor Triton cannot take, or a call with kernels=False) keeps the torch path, t
 """
 
 import importlib.util
+import logging
 
 import torch
 
+log = logging.getLogger(__name__)
 BLOCK = 4096  # logits per step of a row's loop: 8 KB of bf16, 16 B a thread over 8 warps
 
 
@@ -25,23 +27,35 @@ def _usable(logits: torch.Tensor, kernels: bool) -> bool:
 
 
 _kernels = None
+_failed = False
 
 
 def _triton():
     """The compiled kernels, built at first use (Triton imports only where it is installed: never on the CPU
-    test machines)."""
+    test machines); None once they failed."""
     global _kernels
-    if _kernels is None and importlib.util.find_spec("triton") is not None:
+    if _kernels is None and not _failed and importlib.util.find_spec("triton") is not None:
         from worker.torch_runtime import softmax_triton
 
         _kernels = softmax_triton
-    return _kernels
+    return None if _failed else _kernels
+
+
+def _off(exc: Exception) -> None:
+    """A kernel that does not build or run here (an old GPU, a Triton without this backend): torch's path for good."""
+    global _failed
+    _failed = True
+    log.warning("Triton softmax kernels unavailable (%s: %s); the unembedding uses torch's ops", type(exc).__name__,
+                exc)
 
 
 def target_logprobs_lse(logits: torch.Tensor, targets: torch.Tensor,
                         kernels: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     if _usable(logits, kernels):
-        return _triton().target_logprobs_lse(logits, targets, BLOCK)
+        try:
+            return _triton().target_logprobs_lse(logits, targets, BLOCK)
+        except Exception as exc:  # noqa: BLE001 - Triton's compile errors have no common type
+            _off(exc)
     lse = torch.logsumexp(logits.float(), -1)
     return logits.gather(1, targets[:, None])[:, 0].float() - lse, lse
 
@@ -49,7 +63,10 @@ def target_logprobs_lse(logits: torch.Tensor, targets: torch.Tensor,
 def softmax_grad_(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor,
                   kernels: bool = True) -> torch.Tensor:
     if _usable(logits, kernels):
-        return _triton().softmax_grad_(logits, targets, lse, g.float().contiguous(), BLOCK)
+        try:
+            return _triton().softmax_grad_(logits, targets, lse, g.float().contiguous(), BLOCK)
+        except Exception as exc:  # noqa: BLE001 - as above; the logits are written only by a kernel that ran
+            _off(exc)
     g = g.float()[:, None]
     dlogits = torch.exp(logits.float() - lse[:, None]).mul_(-g).scatter_add_(1, targets[:, None], g)
     return logits.copy_(dlogits)
