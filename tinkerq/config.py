@@ -104,6 +104,10 @@ class RuntimeConfig(BaseSettings):
     # Tokens per pass through the trainer's model (gradients accumulate over passes); 0: the trainer's default
     # (16384). The Ray runtime's data-parallel ranks split a forward_backward along these same passes.
     train_micro_batch_tokens: int = Field(0, ge=0)
+    # Activation memory a trainer pass keeps whole, in GiB; the layers past it are checkpointed (run again in the
+    # backward). 0: the trainer's default (12 GiB on a GPU, no checkpointing on the CPU). More buys speed (fewer
+    # layers recomputed) at the memory the engine would have had.
+    train_activation_gib: float = Field(0.0, ge=0.0)
     # torch's intra-op CPU threads in each process of the runtime (the in-process worker, each Ray actor); 0: as
     # torch (or Ray, 1 per actor) sets them. CPU kernels split their sums over threads, so equal counts give
     # bitwise-equal results across runtimes (tests/test_ray_runtime.py compares them).

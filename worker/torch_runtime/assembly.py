@@ -53,6 +53,8 @@ def make_trainer(config: RuntimeConfig, bases: BaseModels) -> TorchTrainer:
     options = TrainOptions.for_device(bases.device)
     if config.train_micro_batch_tokens:
         options = dataclasses.replace(options, micro_batch_tokens=config.train_micro_batch_tokens)
+    if config.train_activation_gib:
+        options = dataclasses.replace(options, activation_budget_bytes=config.train_activation_gib * 2**30)
     return TorchTrainer(bases, Path(config.checkpoint_root), options)
 
 
