@@ -85,15 +85,3 @@ def test_a_failed_call_leaves_the_earlier_gradients(trainer):
     for p, b in zip(params(trainer), before):
         assert torch.equal(p.grad, b)
 
-
-def test_the_activation_budget_and_pass_size_come_from_the_environment(monkeypatch, tmp_path):
-    from tinkerq.config import RuntimeConfig
-    from worker.torch_runtime.assembly import make_trainer
-
-    monkeypatch.setenv("TINKERQ_TRAIN_ACTIVATION_GIB", "1.5")
-    monkeypatch.setenv("TINKERQ_TRAIN_MICRO_BATCH_TOKENS", "4096")
-    options = make_trainer(RuntimeConfig(checkpoint_root=str(tmp_path)), BaseModels("cpu", "float32")).options
-    assert options.activation_budget_bytes == 1.5 * 2**30 and options.micro_batch_tokens == 4096
-    monkeypatch.delenv("TINKERQ_TRAIN_ACTIVATION_GIB")
-    default = make_trainer(RuntimeConfig(checkpoint_root=str(tmp_path)), BaseModels("cpu", "float32")).options
-    assert default.activation_budget_bytes == TrainOptions.for_device(torch.device("cpu")).activation_budget_bytes

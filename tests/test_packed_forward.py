@@ -245,3 +245,16 @@ def test_a_per_token_loss_is_one_call_over_the_micro_batch(trainer, models, loss
     trainer.forward(request, True)
     zero(trainer, model)
     assert len(seen) == calls and sum(seen) == sum(LENGTHS)
+
+
+def test_the_activation_budget_and_pass_size_come_from_the_environment(monkeypatch, tmp_path):
+    from tinkerq.config import RuntimeConfig
+    from worker.torch_runtime.assembly import make_trainer
+
+    monkeypatch.setenv("TINKERQ_TRAIN_ACTIVATION_GIB", "1.5")
+    monkeypatch.setenv("TINKERQ_TRAIN_MICRO_BATCH_TOKENS", "4096")
+    options = make_trainer(RuntimeConfig(checkpoint_root=str(tmp_path)), BaseModels("cpu", "float32")).options
+    assert options.activation_budget_bytes == 1.5 * 2**30 and options.micro_batch_tokens == 4096
+    monkeypatch.delenv("TINKERQ_TRAIN_ACTIVATION_GIB")
+    default = make_trainer(RuntimeConfig(checkpoint_root=str(tmp_path)), BaseModels("cpu", "float32")).options
+    assert default.activation_budget_bytes == TrainOptions.for_device(torch.device("cpu")).activation_budget_bytes
