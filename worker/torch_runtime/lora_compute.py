@@ -89,12 +89,15 @@ class ComputeCopies:
         self.flat.grad = None
         parts = [g.view(w.shape) for g, w in zip(grad.float().split([w.numel() for w in self.masters]),
                                                  self.masters)]
-        fresh = [(w, g) for w, g in zip(self.masters, parts) if w.grad is None]
-        for w, g in fresh:
-            w.grad = g
-        held = [(w.grad, g) for w, g in zip(self.masters, parts) if w.grad is not g]
+        held, added = [], []
+        for w, g in zip(self.masters, parts):
+            if w.grad is None:
+                w.grad = g
+            else:
+                held.append(w.grad)
+                added.append(g)
         if held:
-            torch._foreach_add_([h for h, _ in held], [g for _, g in held])
+            torch._foreach_add_(held, added)  # one launch for every master that had a gradient
 
 
 @contextmanager

@@ -4,8 +4,9 @@ The datums are packed without padding into micro-batches up to a token budget (`
 goes through the decoder (attention per sequence: `packed_attention`; LoRA updates fused, in the base's
 dtype: `lora_compute`; as many layers checkpointed as the activation budget asks: `activation_checkpointing`;
 in the layers kept whole, the MLP's SwiGLU product remade in the backward instead of kept: `gated_mlp`),
-then through the unembedding in chunks to per-token target logprobs (`unembedding`), then through the loss of
-each datum, `losses.elementwise_loss` on that datum's logprobs, and backward. Gradients accumulate over
+then through the unembedding in chunks to per-token target logprobs (`unembedding`), then through the loss
+(`losses.elementwise_loss`: once over the micro-batch's tokens where it is per token and its datums share their
+inputs, else datum by datum), and backward. Gradients accumulate over
 micro-batches, and are committed only when the whole call succeeds, so a request that fails halfway leaves the
 adapter's gradients as they were.
 """
