@@ -38,7 +38,7 @@ from schemas import CreateModelRequest, Datum, ForwardBackwardRequest, LoraConfi
 from tinkerq.local_models import LOCAL_MODELS  # noqa: E402
 from worker.torch_runtime.activation_checkpointing import layer_bytes_per_token, layers_to_checkpoint  # noqa: E402
 from worker.torch_runtime.base_models import BaseModels, LoadedBase  # noqa: E402
-from worker.torch_runtime.packed_forward import TrainOptions  # noqa: E402
+from worker.torch_runtime.packed_forward import TrainOptions, layer_bytes_key  # noqa: E402
 from worker.torch_runtime.trainer import TorchTrainer  # noqa: E402
 
 PEAK_FLOPS = 790e12
@@ -306,7 +306,7 @@ def checkpointed_layers(trained, options: TrainOptions, tokens: int) -> int | No
     """How many layers the trainer checkpointed in its (first) micro-batch of this many tokens."""
     if math.isinf(options.activation_budget_bytes):
         return 0
-    per_token = trained.base.layer_bytes.get((trained.adapter, options.fused_kernels, options.remake_swiglu))
+    per_token = trained.base.layer_bytes.get(layer_bytes_key(trained.adapter, options))
     layers = trained.base.model.config.num_hidden_layers
     n = min(tokens, options.micro_batch_tokens)
     return None if per_token is None else layers_to_checkpoint(layers, n, per_token, options.activation_budget_bytes)

@@ -88,14 +88,17 @@ def main() -> None:
     rows = {"estimate (shapes)": layer_bytes_per_token(causal.config, dtype)}
     with (torch.enable_grad(), packed(causal.config), lean_lora(), fused_kernels(causal, args.fused),
           gated_mlp(causal, args.fused)):
+        def forward() -> torch.Tensor:
+            return _decode(decoder, tokens)
+
         for remake in (False, True):
+            label = "remade" if remake else "kept"
             with products_remade(layers, remake):
-                label = "remade" if remake else "kept"
-                rows[f"counted, SwiGLU product {label}"] = kept_bytes(lambda: _decode(decoder, tokens), args.tokens, model) // (
+                rows[f"counted, SwiGLU product {label}"] = kept_bytes(forward, args.tokens, model) // (
                     args.tokens * len(layers))
                 if device.type == "cuda":
                     rows[f"allocator, SwiGLU product {label}"] = measured_bytes_per_token(
-                        lambda: _decode(decoder, tokens), device, args.tokens, len(layers))
+                        forward, device, args.tokens, len(layers))
     c = causal.config
     print(f"{args.model} ({c.num_hidden_layers} layers, hidden {c.hidden_size}, MLP {c.intermediate_size}), "
           f"{args.dtype} on {args.device}, {args.tokens} tokens, fused kernels {args.fused}\n")

@@ -170,11 +170,16 @@ def _checkpoint_count(base: LoadedBase, adapter: str, tokens: torch.Tensor, batc
     return layers_to_checkpoint(len(layers), batch.tokens, per_token, options.activation_budget_bytes)
 
 
+def layer_bytes_key(adapter: str, options: TrainOptions) -> tuple[str, bool, bool]:
+    """What a layer's measured bytes depend on: the adapter (its targets), the kernels, the remade product."""
+    return adapter, options.fused_kernels, options.remake_swiglu
+
+
 def _measured_layer_bytes(base: LoadedBase, adapter: str, decoder, layers: list, tokens: torch.Tensor,
                           options: TrainOptions) -> int:
     """What one whole layer keeps per token with this adapter and these kernels, measured on a pass over the first
     PROBE_TOKENS tokens at the adapter's first call (a few ms, once) instead of estimated from the shapes."""
-    key = (adapter, options.fused_kernels, options.remake_swiglu)
+    key = layer_bytes_key(adapter, options)
     if key not in base.layer_bytes:
         probe = tokens[:PROBE_TOKENS]
         with products_remade(layers, options.remake_swiglu):
