@@ -264,7 +264,7 @@ def run_model(name: str, args) -> dict:
             p.grad = None
 
     base_options = TrainOptions.for_device(DEVICE)
-    rows = []
+    rows, profiled = [], None
     exact = exactness(trainer, model_id, params, zero) if not args.no_exactness else None
     for shape in args.shapes.get(name, MODEL_SHAPES[name]):
         lengths = SHAPES[shape] or ragged()
@@ -285,7 +285,8 @@ def run_model(name: str, args) -> dict:
             log(f"{name} {shape} plain: {fmt(row['plain'], row)}")
             del tokens, targets, mask
         if args.profile and shape == args.profile:
-            profile(trainer, request, zero)
+            profiled = {"shape": shape, **profile(trainer, request, zero,
+                                                  Path(args.out) / f"{args.tag}-{name}-trace.json.gz")}
         rows.append(row)
     estimate = layer_bytes_per_token(config, torch.bfloat16)
     measured = {str(k[1:]): v for k, v in trained.base.layer_bytes.items()}
@@ -293,6 +294,7 @@ def run_model(name: str, args) -> dict:
         f"the shapes {estimate}")
     result = {"model": name, "params": sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n),
               "lora_params": sum(p.numel() for p in params.values()), "exactness": exact, "rows": rows,
+              "profile": profiled,
               "layer_bytes_per_token": {"measured": measured, "estimated": estimate}}
     # Dropped (not del: the closures above read them) so that the collection below frees the GPU memory.
     trainer = bases = trained = model = params = None
@@ -352,15 +354,45 @@ def softmax_kernels_bench(vocab: int = 151936, rows: int = 883, repeats: int = 2
     return summary
 
 
-def profile(trainer, request, zero) -> None:
+def profile(trainer, request, zero, trace: Path | None = None) -> dict:
+    """One call of ours under torch.profiler: the top kernels, where the GPU sat idle waiting for the CPU
+    (`trace_gaps`), and any host synchronisation inside the call (CUDA's sync debug mode). `trace`: where to write
+    the Chrome trace (gzipped) for a closer look."""
+    import gzip
+    import shutil
+    import warnings
+
+    import trace_gaps
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     zero()
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         trainer.forward(request, True)
         sync()
     zero()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25), flush=True)
+    raw = Path(tempfile.mkdtemp(prefix="trace-")) / "trace.json"
+    prof.export_chrome_trace(str(raw))
+    gaps = trace_gaps.summary(trace_gaps.load(raw), depth=4)
+    print(trace_gaps.report(gaps), flush=True)
+    if trace is not None:
+        with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    raw.unlink()
+    if DEVICE.type != "cuda":
+        return {"gaps": gaps}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.forward(request, True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    zero()
+    syncs = sorted({f"{w.filename}:{w.lineno} {str(w.message)[:80]}" for w in caught
+                    if "synchroniz" in str(w.message)})
+    log(f"host synchronisations inside one call: {len(syncs)} distinct sites" + "".join(f"\n  {s}" for s in syncs))
+    return {"gaps": gaps, "sync_sites": syncs}
 
 
 def fmt(result: dict, row: dict) -> str:

@@ -85,3 +85,31 @@ def test_a_failed_call_leaves_the_earlier_gradients(trainer):
     for p, b in zip(params(trainer), before):
         assert torch.equal(p.grad, b)
 
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("x_grad", [False, True])
+def test_the_written_out_backward_is_autograds(bias, x_grad):
+    """`_LoraLinear` (the update added in place, its backward by hand) against autograd through the plain expression,
+    in float64: outputs and the gradients of x, A and B, with and without a bias and a gradient for x."""
+    from worker.torch_runtime.lora_compute import _LoraLinear
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(13, 6, generator=g, dtype=torch.float64), torch.randn(5, 6, generator=g, dtype=torch.float64)
+    b0 = torch.randn(5, generator=g, dtype=torch.float64) if bias else None
+    a, b = (torch.randn(3, 6, generator=g, dtype=torch.float64), torch.randn(5, 3, generator=g, dtype=torch.float64))
+    upstream = torch.randn(13, 5, generator=g, dtype=torch.float64)
+
+    def grads(fn):
+        leaves = [t.detach().clone().requires_grad_(t is not x or x_grad) for t in (x, a, b)]
+        out = fn(leaves[0], leaves[1], leaves[2])
+        out.backward(upstream)
+        return out.detach(), [t.grad for t in leaves]
+
+    ours, ours_grads = grads(lambda x_, a_, b_: _LoraLinear.apply(x_, w, b0, a_, b_, 0.75))
+    plain, plain_grads = grads(lambda x_, a_, b_: torch.nn.functional.linear(x_, w, b0) + 0.75 * (x_ @ a_.t()) @ b_.t())
+    torch.testing.assert_close(ours, plain)
+    for mine, theirs in zip(ours_grads, plain_grads, strict=True):
+        assert (mine is None) == (theirs is None)
+        if mine is not None:
+            torch.testing.assert_close(mine, theirs)

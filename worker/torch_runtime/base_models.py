@@ -36,6 +36,8 @@ class LoadedBase:
     adapters: set[str] = field(default_factory=set)
     # what one decoder layer keeps per token in the trainer, by (adapter, kernels...): packed_forward measures it
     layer_bytes: dict[tuple, int] = field(default_factory=dict)
+    # the LoRA layers whose weights the trainer casts once a pass, by (adapter, dtype): lora_compute.copied_layers
+    copied_layers: dict[tuple, list] = field(default_factory=dict)
 
     @property
     def vocab_size(self) -> int:
@@ -49,12 +51,14 @@ class LoadedBase:
         self.model.eval()  # dropout is off anyway; peft needs eval mode for mixed-adapter batches
         self.model.to(self.device)
         self.adapters.add(name)
+        self.copied_layers.clear()  # the modules changed
 
     def delete_adapter(self, name: str) -> None:
         if name in self.adapters:
             self.model.delete_adapter(name)
             self.adapters.discard(name)
             self.layer_bytes = {k: v for k, v in self.layer_bytes.items() if k[0] != name}
+            self.copied_layers.clear()
 
 
 def resolve_device(name: str) -> torch.device:

@@ -5,6 +5,10 @@ float32 and casts x up first: per adapted layer a float32 copy of the input (kep
 output, a multiply and an add over the whole output, each of them again in the backward. Inside `lean_lora()`
 a layer with one plain LoRA adapter active computes `addmm(base(x), x @ A^T, B^T, alpha=scaling)` instead, with
 A and B cast to x's dtype (they stay float32 masters for AdamW): one matmul epilogue instead of four passes.
+Over a frozen plain Linear base that is one autograd function with its backward written out (`_LoraLinear`): the
+update is added into the base's output in place, and in the backward x's gradient through the update into x's
+gradient through the base, so neither pass copies or adds a whole [tokens, features] tensor for the adapter
+(measured on an H100: 7 copies a layer in the forward, 7 adds in the backward, ~10% of 1.5B's GPU time).
 Anything else (mixed-adapter batches, DoRA and other variants, dropout, a LoRA bias) takes peft's own path.
 
 Casting A and B inside each layer is two kernels in the forward and two in the backward per adapted module (seven
@@ -46,23 +50,63 @@ def _lean_forward(self: LoraLinear, x: torch.Tensor, *args, **kwargs) -> torch.T
         a, b = copies[1], copies[2]
     else:
         a, b = self.lora_A[name].weight.to(x.dtype), self.lora_B[name].weight.to(x.dtype)
-    result = self.base_layer(x)
-    down = torch.nn.functional.linear(x, a)
-    fused = torch.addmm(result.reshape(-1, result.shape[-1]), down.reshape(-1, down.shape[-1]), b.t(),
-                        alpha=self.scaling[name])
-    return fused.view(result.shape)
+    base = self.base_layer
+    if not _frozen_linear(base):  # a quantised, special or trained base: autograd's own backward
+        result = base(x)
+        down = torch.nn.functional.linear(x, a)
+        fused = torch.addmm(result.reshape(-1, result.shape[-1]), down.reshape(-1, down.shape[-1]), b.t(),
+                            alpha=self.scaling[name])
+        return fused.view(result.shape)
+    flat = _LoraLinear.apply(x.reshape(-1, x.shape[-1]), base.weight, base.bias, a, b, self.scaling[name])
+    return flat.view(*x.shape[:-1], flat.shape[-1])
+
+
+def _frozen_linear(base: torch.nn.Module) -> bool:
+    return (type(base) is torch.nn.Linear and not base.weight.requires_grad
+            and (base.bias is None or not base.bias.requires_grad))
+
+
+class _LoraLinear(torch.autograd.Function):
+    """x W^T + bias + s (x A^T) B^T over 2-d x, the base frozen, with the backward written out: the update is
+    added inside the base's output (`addmm_`, no copy of it) and, in the backward, x's gradient from the update
+    inside the base's (no separate add of two [tokens, in] tensors); one autograd node instead of eight."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, a, b, scale):
+        out = torch.nn.functional.linear(x, weight, bias)  # a fresh tensor: safe to add into in place
+        down = x @ a.t()  # [n, r]
+        out.addmm_(down, b.t(), alpha=scale)
+        ctx.save_for_backward(x, weight, a, b, down)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, a, b, down = ctx.saved_tensors
+        want_x, want_a, want_b = ctx.needs_input_grad[0], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        up = (grad @ b).mul_(ctx.scale) if want_x or want_a else None  # [n, r]: s dL/d(down)
+        grad_x = (grad @ weight).addmm_(up, a) if want_x else None
+        grad_a = up.t() @ x if want_a else None
+        grad_b = (grad.t() @ down).mul_(ctx.scale) if want_b else None
+        return grad_x, None, None, grad_a, grad_b, None
+
+
+def copied_layers(model: torch.nn.Module, adapter: str, dtype: torch.dtype,
+                  skip: torch.nn.Module | None) -> list[LoraLinear]:
+    """The LoRA layers whose A and B `ComputeCopies` casts: those the lean path computes for `adapter` (the active
+    one) with masters not already in `dtype`. `skip`: a LoRA layer whose forward the pass does not call (the
+    unembedding, computed in chunks)."""
+    return [m for m in model.modules() if isinstance(m, LoraLinear) and m is not skip
+            and _lean_adapter(m) == adapter and m.lora_A[adapter].weight.dtype != dtype]
 
 
 class ComputeCopies:
     """One trainer pass's copies of an adapter's lean LoRA weights in `dtype` (see the module's text). Use as a
     context around the pass's forward and backward; `flush()` after each backward."""
 
-    def __init__(self, model: torch.nn.Module, adapter: str, dtype: torch.dtype, skip: torch.nn.Module | None,
-                 enabled: bool = True):
-        """`skip`: a LoRA layer whose forward the pass does not call (the unembedding, computed in chunks)."""
-        self.layers = [m for m in model.modules() if enabled and isinstance(m, LoraLinear) and m is not skip
-                       and _lean_adapter(m) == adapter and m.lora_A[adapter].weight.dtype != dtype]
-        self.adapter = adapter
+    def __init__(self, layers: list[LoraLinear], adapter: str, dtype: torch.dtype):
+        """`layers`: `copied_layers(...)` of the model (a walk over every module: the trainer keeps it)."""
+        self.layers, self.adapter = layers, adapter
         self.masters = [w for m in self.layers for w in (m.lora_A[adapter].weight, m.lora_B[adapter].weight)]
         self.flat: torch.Tensor | None = None
         if self.masters:
