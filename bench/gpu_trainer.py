@@ -354,6 +354,48 @@ def softmax_kernels_bench(vocab: int = 151936, rows: int = 883, repeats: int = 2
     return summary
 
 
+def norm_bench(width: int = 1536, rows: int = 16384, repeats: int = 20) -> dict:
+    """RMSNorm forward + backward over [rows, width] bf16: Liger's Triton kernels (the trainer's) against
+    torch's own `F.rms_norm`: GPU ms per call (CUDA events, many calls queued), host us per call (a tiny tensor,
+    where launching is all there is), kernels per call, and the largest difference from HF's float32 formula."""
+    from liger_kernel.transformers.functional import liger_rms_norm
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    weight = (1 + 0.1 * torch.randn(width, device=DEVICE, generator=g)).bfloat16()
+    norms = {"liger": lambda x: liger_rms_norm(x, weight, 1e-6, casting_mode="llama", in_place=False),
+             "torch": lambda x: F.rms_norm(x, (width,), weight, 1e-6)}
+
+    def step(norm, x, upstream):
+        norm(x).backward(upstream)
+
+    def hf(x):  # Qwen2RMSNorm's own computation
+        h = x.float()
+        return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    out = {}
+    for name, norm in norms.items():
+        x = torch.randn(rows, width, device=DEVICE, generator=g).bfloat16().requires_grad_()
+        upstream = torch.randn(rows, width, device=DEVICE, generator=g).bfloat16()
+        tiny = torch.randn(8, width, device=DEVICE).bfloat16().requires_grad_()
+        tiny_up = torch.randn(8, width, device=DEVICE).bfloat16()
+        gpu_ms = cuda_ms(lambda i: step(norm, x, upstream), repeats)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            step(norm, tiny, tiny_up)
+        host_us = (time.perf_counter() - t0) / 200 * 1e6
+        sync()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step(norm, x, upstream)
+            sync()
+        kernels = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
+        diff = float((norm(x.detach()).float() - hf(x.detach()).float()).abs().max())
+        out[name] = {"gpu_ms": gpu_ms, "host_us": host_us, "kernels": kernels, "max_abs_diff_vs_hf": diff}
+    log("rms_norm fwd+bwd, " + json.dumps(out))
+    return out
+
+
 def profile(trainer, request, zero, trace: Path | None = None) -> dict:
     """One call of ours under torch.profiler: the top kernels, where the GPU sat idle waiting for the CPU
     (`trace_gaps`), and any host synchronisation inside the call (CUDA's sync debug mode). `trace`: where to write
@@ -502,12 +544,17 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     models = []
     kernels = softmax_kernels_bench() if DEVICE.type == "cuda" else None
+    try:
+        norms = norm_bench() if DEVICE.type == "cuda" else None
+    except Exception as exc:  # noqa: BLE001 - a side measurement: the run goes on without it
+        norms = {"error": f"{type(exc).__name__}: {exc}"}
     for name in args.models.split(","):
         models.append(run_model(name, args))
         text = table(models)
         report = {"machine": f"{platform.node()} {machine}", "torch": torch.__version__,
                   "peak_flops": PEAK_FLOPS, "options": {k: str(v) for k, v in vars(args).items()},
-                  "defaults": str(TrainOptions.for_device(DEVICE)), "softmax_kernels": kernels, "models": models,
+                  "defaults": str(TrainOptions.for_device(DEVICE)), "softmax_kernels": kernels, "rms_norm": norms,
+                  "models": models,
                   "table": text}
         (out / f"{args.tag}.json").write_text(json.dumps(report, indent=2, default=str))  # after each model
     print("\n" + text, flush=True)

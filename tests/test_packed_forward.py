@@ -29,6 +29,7 @@ OPTIONS = {
     "chunked unembedding": TrainOptions(logits_chunk_elements=7 * VOCAB),  # 7 tokens a chunk, datums up to 30
     "micro-batches": TrainOptions(micro_batch_tokens=20),  # 5 passes, gradients accumulated
     "checkpointed": TrainOptions(activation_budget_bytes=0),  # every layer recomputed in the backward
+    "autograd's LoRA": TrainOptions(lora_function=False),  # peft's layers through addmm, not lora_compute's function
     "all at once": TrainOptions(micro_batch_tokens=20, logits_chunk_elements=7 * VOCAB, activation_budget_bytes=0),
 }
 
@@ -153,7 +154,7 @@ def test_every_loss_gives_the_outputs_and_gradients_of_the_straightforward_compu
     check_against_straightforward(trainer, models[base], batch(trainer, models[base], loss_fn))
 
 
-@pytest.mark.parametrize("option", ["chunked unembedding", "micro-batches", "checkpointed"])
+@pytest.mark.parametrize("option", ["chunked unembedding", "micro-batches", "checkpointed", "autograd's LoRA"])
 @pytest.mark.parametrize("base", ["tinyq-micro", "tinyq-tied"])
 def test_each_means_alone_gives_the_straightforward_computation(trainer, models, base, option):
     trainer.options = OPTIONS[option]

@@ -25,6 +25,7 @@ import torch
 from peft.tuners.lora.layer import Linear as LoraLinear
 
 _peft_forward = LoraLinear.forward
+_written_out = True  # lean_lora(written_out=...) for the duration of a call
 COPIES = "_tinkerq_compute_copies"  # on a lean layer, for the duration: (adapter, A, B) in the compute dtype
 
 
@@ -51,7 +52,7 @@ def _lean_forward(self: LoraLinear, x: torch.Tensor, *args, **kwargs) -> torch.T
     else:
         a, b = self.lora_A[name].weight.to(x.dtype), self.lora_B[name].weight.to(x.dtype)
     base = self.base_layer
-    if not _frozen_linear(base):  # a quantised, special or trained base: autograd's own backward
+    if not (_written_out and _frozen_linear(base)):  # a quantised, special or trained base: autograd's own
         result = base(x)
         down = torch.nn.functional.linear(x, a)
         fused = torch.addmm(result.reshape(-1, result.shape[-1]), down.reshape(-1, down.shape[-1]), b.t(),
@@ -145,10 +146,12 @@ class ComputeCopies:
 
 
 @contextmanager
-def lean_lora() -> Iterator[None]:
-    """For the duration of one trainer call (the worker runs one job at a time; the sampler is not inside)."""
-    LoraLinear.forward = _lean_forward
+def lean_lora(written_out: bool = True) -> Iterator[None]:
+    """For the duration of one trainer call (the worker runs one job at a time; the sampler is not inside).
+    `written_out`: `_LoraLinear` where the base allows it (else autograd through addmm, as before it)."""
+    global _written_out
+    LoraLinear.forward, _written_out = _lean_forward, written_out
     try:
         yield
     finally:
-        LoraLinear.forward = _peft_forward
+        LoraLinear.forward, _written_out = _peft_forward, True

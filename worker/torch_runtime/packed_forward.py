@@ -74,6 +74,7 @@ class TrainOptions:
     remake_swiglu: bool = True  # whole layers remake the MLP's SwiGLU product in the backward (gated_mlp.py)
     softmax_kernels: bool = True  # the unembedding's softmax passes in Triton where usable (softmax_kernels.py)
     lora_copies: bool = True  # the adapter's A and B cast to the compute dtype once a pass (lora_compute.py)
+    lora_function: bool = True  # a LoRA layer is one autograd function, its backward written out (lora_compute.py)
 
     @classmethod
     def for_device(cls, device: torch.device) -> "TrainOptions":
@@ -105,7 +106,7 @@ def forward_request(base: LoadedBase, adapter: str, request: ForwardRequest, bac
     passes = []
     layers = list(getattr(decoder, "layers", []))
     dtype = decoder.get_input_embeddings().weight.dtype
-    with (torch.set_grad_enabled(backward), packed(causal.config), lean_lora(),
+    with (torch.set_grad_enabled(backward), packed(causal.config), lean_lora(options.lora_function),
           fused_kernels(causal, options.fused_kernels), gated_mlp(causal, options.fused_kernels),
           _committed_on_success(params, backward)):
         for batch in micro_batches(flat, options.micro_batch_tokens, base.device):
