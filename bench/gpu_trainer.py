@@ -290,7 +290,7 @@ def run_model(name: str, args) -> dict:
         rows.append(row)
     estimate = layer_bytes_per_token(config, torch.bfloat16)
     measured = {str(k[1:]): v for k, v in trained.base.layer_bytes.items()}
-    log(f"{name}: a layer keeps {measured} bytes per token, measured by (fused, remake_swiglu); estimated from "
+    log(f"{name}: a layer keeps {measured} bytes per token, measured by (fused, remake_swiglu, lora_function); estimated from "
         f"the shapes {estimate}")
     result = {"model": name, "params": sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n),
               "lora_params": sum(p.numel() for p in params.values()), "exactness": exact, "rows": rows,

@@ -86,7 +86,6 @@ def test_a_failed_call_leaves_the_earlier_gradients(trainer):
         assert torch.equal(p.grad, b)
 
 
-
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("x_grad", [False, True])
 def test_the_written_out_backward_is_autograds(bias, x_grad):

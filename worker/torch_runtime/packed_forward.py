@@ -182,9 +182,10 @@ def _copied_layers(base: LoadedBase, adapter: str, dtype: torch.dtype) -> list:
     return base.copied_layers[key]
 
 
-def layer_bytes_key(adapter: str, options: TrainOptions) -> tuple[str, bool, bool]:
-    """What a layer's measured bytes depend on: the adapter (its targets), the kernels, the remade product."""
-    return adapter, options.fused_kernels, options.remake_swiglu
+def layer_bytes_key(adapter: str, options: TrainOptions) -> tuple[str, bool, bool, bool]:
+    """What a layer's measured bytes depend on: the adapter (its targets), the kernels, the remade product, the
+    LoRA function (what it saves)."""
+    return adapter, options.fused_kernels, options.remake_swiglu, options.lora_function
 
 
 def _measured_layer_bytes(base: LoadedBase, adapter: str, decoder, layers: list, tokens: torch.Tensor,
