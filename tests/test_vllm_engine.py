@@ -39,6 +39,10 @@ from worker.vllm_runtime.engine import VllmEngine  # noqa: E402
 
 BASE = "tinyq-micro"
 TOLERANCE = 1e-4
+# Merged weights are W + s B A rounded once to float32, where the trainer computes W x + s B (A x): after two steps
+# at lr 0.2 the two float32 computations were seen 4.8e-5 and 1.05e-4 apart (two trajectories: the trainer's
+# backward summed in another order), against the 1e-2 a sync must change the scores by.
+MERGED_TOLERANCE = 3e-4
 PROMPT = [5, 6, 7, 8, 9, 10]
 # Longer than two of vLLM's CPU KV blocks (128 tokens): a stale prefix cache would be reused here.
 LONG_PROMPT = [random.Random(7).randrange(3, 2000) for _ in range(300)]
@@ -379,7 +383,7 @@ def test_an_inplace_merged_sync_serves_the_trainers_weights_and_restores_what_th
         for _ in range(2):
             version = merged.train_and_sync(model, version, lr=0.2)
             ours = scores(merged.vllm, model, version)
-            assert max_diff(ours, merged.trainer_logprobs(model, PROMPT, COMPLETION)) < TOLERANCE
+            assert max_diff(ours, merged.trainer_logprobs(model, PROMPT, COMPLETION)) < MERGED_TOLERANCE
             assert max_diff(ours, before) > 100 * TOLERANCE
             before = ours
         merged.vllm.engine.remove_model(model)
