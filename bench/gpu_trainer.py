@@ -355,8 +355,8 @@ def softmax_kernels_bench(vocab: int = 151936, rows: int = 883, repeats: int = 2
 
 
 def norm_bench(width: int = 1536, rows: int = 16384, repeats: int = 20) -> dict:
-    """RMSNorm forward + backward over [rows, width] bf16: Liger's Triton kernels (the trainer's) against
-    torch's own `F.rms_norm`: GPU ms per call (CUDA events, many calls queued), host us per call (a tiny tensor,
+    """RMSNorm forward + backward over [rows, width] bf16: Liger's Triton kernels against torch's own
+    `F.rms_norm` (the trainer's, fused_kernels.py): GPU ms per call (CUDA events, many calls queued), host us per call (a tiny tensor,
     where launching is all there is), kernels per call, and the largest difference from HF's float32 formula."""
     from liger_kernel.transformers.functional import liger_rms_norm
     from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -414,14 +414,14 @@ def profile(trainer, request, zero, trace: Path | None = None) -> dict:
         sync()
     zero()
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25), flush=True)
-    raw = Path(tempfile.mkdtemp(prefix="trace-")) / "trace.json"
-    prof.export_chrome_trace(str(raw))
-    gaps = trace_gaps.summary(trace_gaps.load(raw), depth=4)
+    with tempfile.TemporaryDirectory(prefix="trace-") as scratch:
+        raw = Path(scratch) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        gaps = trace_gaps.summary(trace_gaps.load(raw), depth=4)
+        if trace is not None:
+            with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
+                shutil.copyfileobj(src, dst)
     print(trace_gaps.report(gaps), flush=True)
-    if trace is not None:
-        with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-    raw.unlink()
     if DEVICE.type != "cuda":
         return {"gaps": gaps}
     with warnings.catch_warnings(record=True) as caught:

@@ -37,3 +37,25 @@ def test_another_family_is_left_alone():
     model = qwen2()
     model.config.model_type = "gpt2"
     assert _patches(model) == []
+
+
+def test_the_replacement_norm_computes_hfs_rms_norm():
+    """The RMSNorm the fused path puts in (torch's F.rms_norm; its CUDA kernel is timed by bench/gpu_trainer.py)
+    against Qwen2RMSNorm's own forward, in float32 on the CPU: the output and the input's gradient."""
+    from worker.torch_runtime.fused_kernels import _rms_norm_forward
+
+    norm = modeling_qwen2.Qwen2RMSNorm(48, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.1)
+    norm.weight.requires_grad_(False)  # frozen, as the trainer's base
+    x = torch.randn(2, 7, 48, generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+    upstream = torch.randn(2, 7, 48, generator=torch.Generator().manual_seed(1))
+    results = []
+    for forward in (modeling_qwen2.Qwen2RMSNorm.forward, _rms_norm_forward):
+        leaf = x.clone().requires_grad_()
+        out = forward(norm, leaf)
+        out.backward(upstream)
+        results.append((out.detach(), leaf.grad))
+    (hf_out, hf_grad), (ours_out, ours_grad) = results
+    torch.testing.assert_close(ours_out, hf_out, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ours_grad, hf_grad, rtol=0, atol=1e-5)
