@@ -7,18 +7,11 @@
 #   .apicarry/redis/  redis-server, liblzf.so.1, libjemalloc.so.2, libatomic.so.1
 # Usage: OUT=... bash bench/h200_api.sh TAG [api_overhead.py args...]
 set -euo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-  --upgrade --target /tmp/site .apicarry/whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TINKER_TELEMETRY=0
-export PATH=$PWD/.apicarry/redis:$PATH LD_LIBRARY_PATH=$PWD/.apicarry/redis:${LD_LIBRARY_PATH:-}
-chmod +x .apicarry/redis/redis-server
-# one core of its own; a daemon outlives the command, and a second start just fails to bind
-taskset -c 15 redis-server --port 6390 --bind 127.0.0.1 --save '' --appendonly no --daemonize yes \
-  --logfile /tmp/redis.log >/dev/null || true
+source "$(dirname "$0")/h200_env.sh"
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 tag=$1
 shift
-REDIS_URL=redis://127.0.0.1:6390/0 python3 bench/api_overhead.py --out "$OUT/$tag.json" "$@" >"$OUT/$tag.log" 2>&1 \
+python3 bench/api_overhead.py --out "$OUT/$tag.json" "$@" >"$OUT/$tag.log" 2>&1 \
   || { tail -40 "$OUT/$tag.log"; exit 1; }
 sed -n '/^path /,$p' "$OUT/$tag.log"

@@ -16,6 +16,7 @@ from producer.errors import Rejected
 from producer.waiter import ResultWaiter, get_result
 from schemas import (
     ID_PATTERN,
+    ForwardRequest,
     LimitExceeded,
     Limits,
     Request,
@@ -26,6 +27,7 @@ from schemas import (
     new_request_id,
     seq_id_of,
 )
+from schemas.arrays import LISTS
 from tinkerq import keys, queues
 from tinkerq.config import LimitsConfig, QueueConfig
 from tinkerq.jobs import JOB_OF_KIND, EncodedPayload, JobSerializer, QueuedJob
@@ -78,10 +80,11 @@ class _Batch:
 
 
 _SCALARS = frozenset({int, float, str, bool, type(None)})
-# The form of the digests this producer writes. Producers before it wrote the bare hash of json.dumps(...,
-# sort_keys=True) (legacy_digest), ~10 ms for the JSON of a 16k-token forward_backward and ~50 ms with per-token
-# logprobs and advantages; they are still recognised, so a resend compares as it did.
-DIGEST_FORM = "v2:"
+# The form of the digests this producer writes: the hash of the canonical JSON, arrays packed (schemas/arrays.py).
+# Earlier producers wrote it of the arrays as number lists ("v2:"), and before that the bare hash of json.dumps(...,
+# sort_keys=True) (legacy_digest); a resend is still compared with either, so it is answered as it was.
+DIGEST_FORM = "v3:"
+LISTS_DIGEST_FORM = "v2:"
 
 
 def _sorted_keys(value: Any) -> Any:
@@ -92,26 +95,35 @@ def _sorted_keys(value: Any) -> Any:
     return value
 
 
-def canonical(request: BaseModel) -> bytes:
+def canonical(request: BaseModel, lists: bool = False) -> bytes:
     """The request as compact JSON with every object's keys sorted (pydantic's encoder: NaN and Infinity as json
-    writes them): equal requests give equal bytes."""
-    return to_json(_sorted_keys(request.model_dump(mode="json")), inf_nan_mode="constants")
+    writes them): equal requests give equal bytes. `lists`: its arrays as number lists, as producers before the
+    packed form wrote it (without the packed_results they did not send)."""
+    return to_json(_sorted_keys(_json_form(request, lists)), inf_nan_mode="constants")
 
 
-def digest_of(body: bytes) -> str:
-    return DIGEST_FORM + hashlib.blake2b(body, digest_size=16).hexdigest()
+def _json_form(request: BaseModel, lists: bool) -> dict:
+    if not lists:
+        return request.model_dump(mode="json")
+    return request.model_dump(mode="json", context=LISTS, exclude={"packed_results"})
+
+
+def digest_of(body: bytes, form: str = DIGEST_FORM) -> str:
+    return form + hashlib.blake2b(body, digest_size=16).hexdigest()
 
 
 def legacy_digest(request: BaseModel) -> str:
-    """The digest producers wrote before DIGEST_FORM."""
-    canonical_text = json.dumps(request.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    """The digest producers wrote before the forms with a prefix."""
+    canonical_text = json.dumps(_json_form(request, lists=True), sort_keys=True, separators=(",", ":"))
     return hashlib.blake2b(canonical_text.encode(), digest_size=16).hexdigest()
 
 
 def same_body(item_digest: str, request: BaseModel, stored: str) -> bool:
-    """Whether a digest stored for an earlier submission is this request's (in either form)."""
+    """Whether a digest stored for an earlier submission is this request's (in any form)."""
     if stored.startswith(DIGEST_FORM):
         return stored == item_digest
+    if stored.startswith(LISTS_DIGEST_FORM):
+        return stored == digest_of(canonical(request, lists=True), LISTS_DIGEST_FORM)
     return stored == legacy_digest(request)
 
 
@@ -171,6 +183,8 @@ class Producer:
             self.limits.check(request)
         except LimitExceeded as exc:
             raise Rejected.of(400, "limit_exceeded", str(exc)) from exc
+        if isinstance(request, ForwardRequest) and not request.packed_results:
+            request = request.model_copy(update={"packed_results": True})  # parse_result reads the packed form
         rid = new_request_id(request.kind[:2]) if request_id is None else request_id
         if not is_request_id(rid):
             raise Rejected.of(400, "invalid_request_id", f"request id {rid!r} must match {ID_PATTERN}")

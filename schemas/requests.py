@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
+from schemas.arrays import ArrayEquality, InputArray, TokenArray
 from schemas.ids import CHECKPOINT_NAME, CHECKPOINT_NAME_PATTERN, SEQUENCE_ID_PATTERN, ModelId, base_model_id
 
 
@@ -122,15 +123,18 @@ class CreateModelRequest(_TrainingOp):
     lora: LoraConfig | None = LoraConfig()
 
 
-class Datum(_Strict):
+class Datum(ArrayEquality, _Strict):
     """One training example: position i of model_input predicts target_tokens[i]."""
 
-    model_input: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
-    loss_fn_inputs: dict[str, list[float]] = Field(default_factory=dict)
+    # Arrays (schemas/arrays.py): given as lists, numpy arrays or the packed form; held as read-only numpy arrays.
+    model_input: TokenArray
+    loss_fn_inputs: dict[str, InputArray] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _aligned(self) -> "Datum":
         n = len(self.model_input)
+        if n == 0:
+            raise ValueError("model_input has no tokens")
         for name, values in self.loss_fn_inputs.items():
             if len(values) != n:
                 raise ValueError(f"loss_fn_inputs[{name!r}] has {len(values)} entries, model_input has {n}")
@@ -191,6 +195,9 @@ class ForwardRequest(_TrainingOp):
     loss_fn_config: dict[str, float] = Field(default_factory=dict)
     # loss_fn="custom": the loss (as created by create_custom_loss), carried along so the job is self-contained
     custom_loss: CustomLoss | None = None
+    # The producer reads the result's arrays in the packed form (schemas/arrays.py). Producers before that form
+    # leave it out, and get number lists.
+    packed_results: bool = False
 
     @model_validator(mode="after")
     def _custom_loss_given_for_custom(self) -> "ForwardRequest":

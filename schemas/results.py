@@ -5,6 +5,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_serializer, field_validator
 
+from schemas.arrays import ArrayEquality, OutputArray
+
 
 class _Out(BaseModel):
     # A non-finite output (a loss that overflows, a NaN metric) is stored as the JSON string "Infinity",
@@ -63,10 +65,11 @@ class CreateModelOutput(_Out):
     lora_rank: int | None = None
 
 
-class ForwardBackwardOutput(_Out):
+class ForwardBackwardOutput(ArrayEquality, _Out):
     type: Literal["forward_backward"] = "forward_backward"
-    # One dict per datum, in input order: name -> per-token values (at least "logprobs").
-    loss_fn_outputs: list[dict[str, list[float]]]
+    # One dict per datum, in input order: name -> per-token values (at least "logprobs"), as arrays
+    # (schemas/arrays.py).
+    loss_fn_outputs: list[dict[str, OutputArray]]
     # Keys are "name:reduction" (e.g. "loss:sum"), as the Tinker client merges them by suffix.
     metrics: dict[str, float]
 

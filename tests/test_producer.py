@@ -2,14 +2,16 @@
 
 import hashlib
 import json
-import zlib
 
+import numpy as np
 import pytest
+from pydantic_core import to_json
 
 from producer import Producer, Rejected
 from producer.enqueue import DIGEST_FORM, canonical, digest_of, legacy_digest
 from schemas import (
     CreateModelRequest,
+    Datum,
     ForwardBackwardRequest,
     Limits,
     OptimStepRequest,
@@ -34,14 +36,12 @@ def test_request_goes_to_its_models_shard_queue_as_json(fake, producer):
     assert ticket.shard == keys.shard_of("m1", 4)
     assert queued(fake, producer, "m1") == [ticket.request_id]
     raw = fake.hget(f"rq:job:{ticket.request_id}", "data")
-    func, _, args, kwargs = json.loads(zlib.decompress(raw))
+    func, _, args, kwargs = json.loads(raw)  # stored as it is, not compressed (tinkerq.jobs.QueuedJob)
     assert func == "worker.jobs.sample"
     assert args[0]["prompt_tokens"] == [5, 6] and kwargs == {}
 
 
 def fb_request(model_id="m2", seq_id=3, weights=(1e-05, 0.5, 2.0), reverse=False):
-    from schemas import Datum
-
     inputs = {"weights": list(weights), "target_tokens": [2.0, 3.0, 4.0]}
     if reverse:
         inputs = dict(reversed(inputs.items()))
@@ -55,31 +55,57 @@ def test_job_payload_is_the_requests_json_and_its_digest_that_of_the_sorted_json
     stamped = SampleRequest(model_id="m2", prompt_tokens=[5, 6])  # the producer pins its version after the digest
     for req in (request, stamped):
         ticket = producer.submit(req)
-        func, instance, args, kwargs = json.loads(zlib.decompress(fake.hget(f"rq:job:{ticket.request_id}", "data")))
+        func, instance, args, kwargs = json.loads(fake.hget(f"rq:job:{ticket.request_id}", "data"))
         assert (instance, kwargs, len(args)) == (None, {}, 1)
-        expected = req.model_dump(mode="json") if req is request else {**req.model_dump(mode="json"),
-                                                                         "weights_version": 0}
-        assert args[0] == expected
+        # a forward_backward says it reads packed arrays in its result; the producer reads that form
+        stamp = {"packed_results": True} if req is request else {"weights_version": 0}
+        assert args[0] == {**req.model_dump(mode="json"), **stamp}
     body = json.loads(canonical(request))
     assert body == request.model_dump(mode="json") and list(body["data"][0]["loss_fn_inputs"]) == \
         ["target_tokens", "weights"]
     assert digest_of(canonical(request)) == digest_of(canonical(fb_request(reverse=True)))  # dict order aside
 
 
-def test_a_resend_compares_with_a_digest_an_earlier_producer_stored(fake, producer):
-    """Request records written before the digest's current form (the bare hash of json.dumps(sort_keys=True)) still
-    tell a resend of the same body (answered with the first id) from another body under the same seq_id (409)."""
+def earlier_body(seq_id: int) -> dict:
+    """fb_request(seq_id) as producers before the packed arrays encoded it: number lists, no packed_results."""
+    return {"model_id": "m2", "seq_id": seq_id, "kind": "forward_backward",
+            "data": [{"model_input": [1, 2, 3], "loss_fn_inputs": {"weights": [1e-05, 0.5, 2.0],
+                                                                   "target_tokens": [2.0, 3.0, 4.0]}}],
+            "loss_fn": "importance_sampling", "loss_fn_config": {"b": 1.5}, "custom_loss": None}
+
+
+def earlier_digests(seq_id: int) -> dict[str, str]:
+    """The digests earlier producers stored for fb_request(seq_id), written out from the bytes they hashed."""
+    text = json.dumps(earlier_body(seq_id), sort_keys=True, separators=(",", ":")).encode()
+    return {"bare": hashlib.blake2b(text, digest_size=16).hexdigest(),
+            "v2": "v2:" + hashlib.blake2b(to_json(json.loads(text)), digest_size=16).hexdigest()}
+
+
+@pytest.mark.parametrize("form", ["bare", "v2"])
+def test_a_resend_compares_with_a_digest_an_earlier_producer_stored(fake, producer, form):
+    """Request records written before the digest's current form (the bare hash of json.dumps(sort_keys=True), then
+    "v2:" of the arrays as number lists) still tell a resend of the same body (answered with the first id) from
+    another body under the same seq_id (409)."""
     first = producer.submit(fb_request(seq_id=7))
     record = keys.request_key(first.request_id)
     assert fake.hget(record, "digest").decode().startswith(DIGEST_FORM)
-    fake.hset(record, "digest", legacy_digest(fb_request(seq_id=7)))
+    fake.hset(record, "digest", earlier_digests(7)[form])
     again = producer.submit(fb_request(seq_id=7, reverse=True))
     assert again.duplicate and again.request_id == first.request_id
     with pytest.raises(Rejected) as refused:
         producer.submit(fb_request(seq_id=7, weights=(1.0, 1.0, 1.0)))
     assert refused.value.error.code == "idempotency_conflict"
-    assert legacy_digest(fb_request()) == hashlib.blake2b(json.dumps(
-        fb_request().model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode(), digest_size=16).hexdigest()
+
+
+def test_the_list_form_is_what_earlier_producers_wrote_whatever_the_arrays_dtypes():
+    """The SDK's datums arrive as int32 tokens, int64 targets and float32 weights (the API's protobuf reader); their
+    list form is the float lists an earlier API made of them, so a resend across an upgrade compares equal."""
+    datum = Datum(model_input=np.array([1, 2, 3], "<i4"),
+                  loss_fn_inputs={"weights": np.array([1e-05, 0.5, 2.0]), "target_tokens": np.array([2, 3, 4], "<i8")})
+    request = fb_request(seq_id=7).model_copy(update={"data": [datum], "packed_results": True})
+    assert json.loads(canonical(request, lists=True)) == earlier_body(7)
+    assert legacy_digest(request) == earlier_digests(7)["bare"]
+    assert digest_of(canonical(request, lists=True), "v2:") == earlier_digests(7)["v2"]
 
 
 def test_weight_syncs_get_increasing_versions_and_samples_pin_the_latest(producer):

@@ -1,6 +1,7 @@
 """Jobs read from Redis are untrusted input: hashes and queue entries written straight into Redis (bypassing the
 producer) never crash, hijack or starve the worker, and each refused request gets its own ErrorResponse."""
 
+import base64
 import http.server
 import json
 import math
@@ -552,15 +553,23 @@ def fuzz_entries(hook: str, listener_url: str, num_shards: int):
         st.builds(LoadStateRequest, model_id=model, path=st.sampled_from(["/etc/passwd", "../x", "tinker://a/b"])),
     ).map(lambda request: request.model_dump(mode="json"))
     huge = st.one_of(st.integers(-1, 10**8), st.integers(-2**70, 2**70))
+    # packed arrays (schemas/arrays.py): right and wrong dtypes, bytes of any length and value, text that is not base64
+    packed = st.fixed_dictionaries(
+        {"dtype": st.one_of(st.sampled_from(["int32", "int64", "float32", "float64", "int8", "<f4"]), json_value),
+         "base64": st.one_of(st.binary(max_size=24).map(lambda b: base64.b64encode(b).decode()), st.text(max_size=8),
+                             json_value)},
+        optional={"extra": json_value})
     bent_request = {  # payload field -> what it may become
         "num_samples": huge, "prompt_tokens": st.one_of(st.lists(st.integers(-1, 2**40), max_size=6), json_value),
         "sampling_params": st.fixed_dictionaries({}, optional={"max_tokens": huge, "temperature": st.floats(),
                                                               "top_k": st.integers(-2, 3), "stop": json_value}),
         "topk_prompt_logprobs": huge, "weights_version": huge, "seq_id": huge, "version": huge,
         "model_id": st.sampled_from(FUZZ_MODELS), "kind": st.text(max_size=8),
-        "data": st.lists(st.fixed_dictionaries({"model_input": st.lists(st.integers(-1, 9), max_size=3)}, optional={
+        "data": st.lists(st.fixed_dictionaries({"model_input": st.one_of(st.lists(st.integers(-1, 9), max_size=3),
+                                                                         packed)}, optional={
             "loss_fn_inputs": st.dictionaries(st.sampled_from(["weights", "advantages", "target_tokens"]),
-                                              st.lists(st.floats(), max_size=3), max_size=2)}), max_size=3),
+                                              st.one_of(st.lists(st.floats(), max_size=3), packed), max_size=2)}),
+                         max_size=3),
         "loss_fn_config": st.dictionaries(st.text(max_size=5), st.floats(), max_size=2), "extra": json_value,
     }
     bend_request = st.sampled_from(sorted(bent_request)).flatmap(lambda k: st.tuples(st.just(k), bent_request[k]))

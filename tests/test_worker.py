@@ -5,6 +5,7 @@ import threading
 import time
 import zlib
 
+import numpy as np
 import pytest
 from rq import Queue
 from rq.job import Job, JobStatus
@@ -407,13 +408,13 @@ def test_a_model_whose_worker_is_gone_gets_a_clear_state_lost_error(r, producer,
 
 
 def test_a_finished_jobs_data_is_written_back_as_the_producer_stored_it(r, producer, config, tmp_path):
-    """The producer compresses a job's data once (zlib level 1, tinkerq.jobs.QueuedJob); the worker inflates it once
-    and, when RQ saves the finished job's hash again, writes those same bytes back instead of compressing anew."""
+    """The producer stores a job's data as plain JSON (tinkerq.jobs.QueuedJob: mostly packed arrays, which zlib does
+    not shrink); when RQ saves the finished job's hash again, the worker writes those same bytes back."""
     create(producer)
     datum = Datum(model_input=[1, 2, 3], loss_fn_inputs={"target_tokens": [2.0, 3.0, 4.0]})
     tickets = [producer.submit(ForwardBackwardRequest(model_id=M, data=[datum])), sample(producer)]
     stored = {t.request_id: r.hget(f"rq:job:{t.request_id}", "data") for t in tickets}
-    assert all(zlib.decompressobj().decompress(data) for data in stored.values())
+    assert all(json.loads(data) for data in stored.values())
     drain(r, config, tmp_path)
     for ticket in tickets:
         job = Job.fetch(ticket.request_id, connection=r, serializer="json")
@@ -424,7 +425,8 @@ def test_a_finished_jobs_data_is_written_back_as_the_producer_stored_it(r, produ
 
 def test_job_data_is_inflated_once_and_reads_as_rq_reads_it(r):
     """AllowlistJob hands RQ the data it already inflated (checking its size) exactly where RQ's own inflating would
-    give the same bytes; anything else (not zlib, trailing bytes, a truncated stream) goes to RQ as it came."""
+    give the same bytes; anything else (not zlib, trailing bytes, a truncated stream) goes to RQ as it came. Either
+    way a save writes back the data RQ read, plain (earlier producers compressed it)."""
     from worker.rq_worker import AllowlistJob
 
     payload = json.dumps(["worker.jobs.sample", None, [{"a": [1.5, 2]}], {}]).encode()
@@ -435,7 +437,24 @@ def test_job_data_is_inflated_once_and_reads_as_rq_reads_it(r):
                                             "origin": "q", "status": "queued"})
         ours, rq = (cls.fetch(name, connection=r, serializer="json") for cls in (AllowlistJob, Job))
         assert ours.data == rq.data, name
-        saved = ours.to_dict()["data"]
-        assert zlib.decompress(saved) == rq.data, name
-        if name.startswith("level"):
-            assert saved == data, name  # unchanged data is written back as it was read
+        assert ours.to_dict()["data"] == rq.data, name
+
+
+def test_a_forward_backwards_result_comes_in_the_form_its_producer_reads(r, producer, config, tmp_path):
+    """Per-token outputs come packed to a producer of this version (it says so: packed_results), and as number
+    lists for a job an earlier producer queued (number lists, no packed_results), which is all that producer reads."""
+    create(producer)
+    datum = Datum(model_input=[1, 2, 3], loss_fn_inputs={"target_tokens": [2.0, 3.0, 4.0]})
+    ours = producer.submit(ForwardBackwardRequest(model_id=M, seq_id=1, data=[datum]))
+    earlier = {"kind": "forward_backward", "model_id": M, "seq_id": 2, "loss_fn": "cross_entropy",
+               "loss_fn_config": {}, "custom_loss": None,
+               "data": [{"model_input": [1, 2, 3], "loss_fn_inputs": {"target_tokens": [2.0, 3.0, 4.0]}}]}
+    raw_job(r, keys.shard_of(M, 4), "earlier-fb", "worker.jobs.training_op", [earlier])
+    drain(r, config, tmp_path)
+    packed, lists = (json.loads(r.get(keys.result_key(rid)))["loss_fn_outputs"][0]["logprobs"]
+                     for rid in (ours.request_id, "earlier-fb"))
+    assert set(packed) == {"dtype", "base64"}
+    assert isinstance(lists, list) and len(lists) == 3 and all(type(v) is float for v in lists)
+    outputs = [result(producer, type("T", (), {"request_id": rid})).loss_fn_outputs[0]["logprobs"]
+               for rid in (ours.request_id, "earlier-fb")]
+    assert np.array_equal(outputs[0], outputs[1]) and np.array_equal(outputs[1], lists)

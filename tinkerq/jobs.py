@@ -8,7 +8,6 @@ so jobs already queued in Redis under them still run after an upgrade.
 """
 
 import json
-import zlib
 from typing import Any
 
 from pydantic_core import from_json
@@ -75,20 +74,11 @@ class JobSerializer:
         return json.loads(data.decode(), *args, **kwargs)
 
 
-# zlib level of a job's data: RQ's default (6) took ~17 ms for the ~245 KB JSON of a 16k-token forward_backward on a
-# 2-vCPU VM, level 1 takes ~3.4 ms for ~15% more bytes. Any zlib reader inflates either (RQ's Job.restore does).
-DATA_ZLIB_LEVEL = 1
-
-
 class QueuedJob(Job):
-    """RQ's Job, its data compressed at DATA_ZLIB_LEVEL; data read from Redis and not changed since is written back
-    as it was read, never compressed again (RQ saves the whole hash again when a job finishes)."""
-
-    _stored: tuple[bytes, bytes] | None = None  # (inflated data, its bytes as read from Redis)
-
-    def remember_stored(self, data: bytes, stored: bytes) -> None:
-        """`data` (this job's data now) is what `stored`, read from Redis, inflates to."""
-        self._stored = (data, stored)
+    """RQ's Job, its data stored as it is, not zlib-compressed: a large payload is mostly packed arrays' base64
+    (schemas/arrays.py), which zlib level 1 shrank by a fifth in ~14 ms per 16k-token forward_backward on a 2-vCPU
+    VM. RQ's readers (Job.restore, rq-dashboard) take data that does not inflate as it is, and a JSON array never
+    inflates; data compressed by earlier producers is still read (RQ inflates it) and written back plain."""
 
     def to_dict(self, include_meta: bool = True, include_result: bool = True) -> dict:
         data = self.data  # encoded here if it was not yet
@@ -97,6 +87,5 @@ class QueuedJob(Job):
             obj = super().to_dict(include_meta=include_meta, include_result=include_result)
         finally:
             self._data = data
-        stored = self._stored
-        obj["data"] = stored[1] if stored is not None and stored[0] is data else zlib.compress(data, DATA_ZLIB_LEVEL)
+        obj["data"] = data
         return obj

@@ -27,6 +27,7 @@ from schemas import (
     SaveStateOutput,
     WeightSyncOutput,
 )
+from schemas.arrays import LISTS
 from tinkerq import keys
 from tinkerq.config import LimitsConfig, QueueConfig
 from worker import batching
@@ -40,6 +41,17 @@ from worker.sequencing import Sequencer
 from worker.stability import StabilityRecords
 
 log = logging.getLogger(__name__)
+
+
+def encoded(result: Result, packed: bool) -> str:
+    """A result's JSON: its arrays packed (schemas/arrays.py) where the producer reads that form, else as number
+    lists, which every producer reads."""
+    return result.model_dump_json(context=None if packed else LISTS)
+
+
+def packed_results(request: Request) -> bool:
+    """Whether the request's producer reads results' arrays packed (ForwardRequest.packed_results)."""
+    return getattr(request, "packed_results", False)
 
 
 def summary(request_id: str, result: Result) -> dict[str, Any]:
@@ -67,14 +79,14 @@ class Dispatcher:
         self.sequencer = Sequencer(connection, fence, config.seq_gap_timeout_s, self._execute, self.finish,
                                    self.admission)
 
-    def finish(self, shard: int, request_id: str, result: Result) -> bool:
-        """Store the request's one result (fenced, first writer wins)."""
-        return self.finish_many(shard, [(request_id, result)])[0]
+    def finish(self, shard: int, request_id: str, result: Result, packed: bool = False) -> bool:
+        """Store the request's one result (fenced, first writer wins); `packed`: see encoded()."""
+        return self.finish_many(shard, [(request_id, result)], packed)[0]
 
-    def finish_many(self, shard: int, results: list[tuple[str, Result]]) -> list[bool]:
+    def finish_many(self, shard: int, results: list[tuple[str, Result]], packed: bool = False) -> list[bool]:
         """Store many requests' results in one round trip (the samples one engine step finished), each as `finish`."""
-        stored = self.fence.put_results(shard, [(rid, result.model_dump_json(), _status(result)) for rid, result in results],
-                                        self.config.result_ttl_s)
+        stored = self.fence.put_results(shard, [(rid, encoded(result, packed), _status(result))
+                                                for rid, result in results], self.config.result_ttl_s)
         for (rid, _), fresh in zip(results, stored):
             if not fresh:
                 log.info("result of %s was already stored; keeping the first", rid)
@@ -130,14 +142,15 @@ class Dispatcher:
         if self.config.durable and changes_state(request, result):
             self._finish_journaled(shard, rid, request, result)
         else:
-            self.finish(shard, rid, result)
+            self.finish(shard, rid, result, packed_results(request))
 
     def _finish_journaled(self, shard: int, rid: str, request: Request, result: Result) -> None:
         """Store the result of a state-changing op together with its journal entry (worker/journal.py)."""
         model_id = request.model_id
         try:
             length = self.fence.put_result_journaled(
-                shard, rid, result.model_dump_json(), self.config.result_ttl_s, "done", self.journal.key(model_id),
+                shard, rid, encoded(result, packed_results(request)), self.config.result_ttl_s, "done",
+                self.journal.key(model_id),
                 self.journal.entry(request), keys.last_seq_key(model_id), request.seq_id,
                 self.journal.base_key(model_id), optim_step=isinstance(request, OptimStepRequest))
         except BaseException:

@@ -121,10 +121,7 @@ class AllowlistJob(QueuedJob):
             # RQ inflates the data again unless handed it inflated: a JSON array, which no zlib stream begins like
             # (RQ takes data that does not inflate as it is)
             kept[field] = inflated
-        out = super().restore(kept)
-        if inflated is not None and self.data is inflated:
-            self.remember_stored(inflated, stored)  # a save writes these bytes back, not a new compression
-        return out
+        return super().restore(kept)
 
     def perform(self):  # noqa: ANN201 - RQ's signature
         if self.verdict is None:

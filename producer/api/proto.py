@@ -64,13 +64,15 @@ def datums(message: pb.ForwardBackwardRequest) -> list[Datum]:
 
 
 def _datum(index: int, datum: pb.Datum) -> Datum:
-    tokens: list[int] = []
+    chunks = []
     for chunk in datum.model_input:
         if chunk.WhichOneof("chunk") != "encoded_text":
             raise BadProto(f"data[{index}]: only encoded_text chunks are supported")
         if len(chunk.encoded_text.tokens) % 4:
             raise BadProto(f"data[{index}]: encoded_text.tokens is not an int32 array")
-        tokens += np.frombuffer(chunk.encoded_text.tokens, dtype="<i4").tolist()
+        chunks.append(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4"))
+    # arrays all the way (schemas/arrays.py): a view of the message's bytes where there is one chunk
+    tokens = chunks[0] if len(chunks) == 1 else np.concatenate(chunks) if chunks else np.zeros(0, "<i4")
     inputs = {name: _tensor(index, name, tensor, len(tokens)) for name, tensor in datum.loss_fn_inputs.items()}
     try:
         return Datum(model_input=tokens, loss_fn_inputs=inputs)
@@ -78,7 +80,7 @@ def _datum(index: int, datum: pb.Datum) -> Datum:
         raise BadProto(f"data[{index}]: {exc}") from exc
 
 
-def _tensor(index: int, name: str, tensor: pb.Tensor, length: int) -> list[float]:
+def _tensor(index: int, name: str, tensor: pb.Tensor, length: int) -> np.ndarray:
     where = f"data[{index}].loss_fn_inputs[{name!r}]"
     if tensor.WhichOneof("encoding") != "dense":
         raise BadProto(f"{where}: only dense tensors are supported")
@@ -91,7 +93,7 @@ def _tensor(index: int, name: str, tensor: pb.Tensor, length: int) -> list[float
     if list(tensor.shape) not in ([], [length]) or values.size != length:
         raise BadProto(f"{where}: expected one value per model_input token ({length}), got shape "
                        f"{list(tensor.shape)} with {values.size} values")
-    return values.astype(np.float64).tolist()
+    return values
 
 
 def custom_loss_id(message: pb.ForwardBackwardRequest) -> str:
@@ -125,7 +127,7 @@ def encode_forward_backward(output: ForwardBackwardOutput) -> bytes:
     for name in names:
         arrays = [np.asarray(d[name], dtype="<f4") for d in output.loss_fn_outputs]
         offsets = np.concatenate([[0], np.cumsum([a.nbytes for a in arrays])]).astype("<i8")
-        record.fields[name].data = b"".join(a.tobytes() for a in arrays)
+        record.fields[name].data = np.concatenate(arrays).tobytes()
         record.fields[name].offsets = offsets.tobytes()
         record.fields[name].dtype = pb.DTYPE_FLOAT32
     return message.SerializeToString()

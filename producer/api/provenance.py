@@ -100,7 +100,7 @@ def _check(index: int, run: _Span, actual: list[int], field: str) -> None:
 
 def _resolved(index: int, datum: Datum, input_spans: list, target_spans: list, records: dict,
               session: str) -> Datum:
-    tokens = datum.model_input
+    tokens = datum.model_input.tolist()
     for run in _runs(index, input_spans, records, session, len(tokens), "model_input"):
         _check(index, run, tokens[run.position:run.position + len(run.tokens)], "model_input")
     targets = [int(t) for t in datum.loss_fn_inputs.get("target_tokens", [])]

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from schemas import ForwardRequest
@@ -209,12 +210,15 @@ def _decode(decoder, tokens: torch.Tensor) -> torch.Tensor:
                    cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=n, max_length_k=n).last_hidden_state[0]
 
 
-def _outputs(flat: Flat, passes: list[_Pass]) -> tuple[list[dict[str, list[float]]], float]:
+def _outputs(flat: Flat, passes: list[_Pass]) -> tuple[list[dict[str, np.ndarray]], float]:
+    """Each datum's per-token outputs, as read-only views of one host array (schemas/arrays.py), and the loss."""
     per_token = all(e.dim() > 0 for p in passes for e in p.elementwise)  # a custom loss is one value per datum
     elementwise = [e.reshape(-1) for p in passes for e in p.elementwise]
     logprobs = torch.cat([p.logprobs for p in passes])
     total = torch.stack([p.total for p in passes]).sum()
-    values = torch.cat([logprobs, *elementwise, total[None]]).cpu().tolist()  # one copy to the host
+    values = torch.cat([logprobs, *elementwise, total[None]]).cpu()  # one copy to the host
+    values = (values if values.dtype in (torch.float32, torch.float64) else values.float()).numpy()
+    values.flags.writeable = False  # the views below go into a frozen result as they are
     lp, el = values[: len(logprobs)], values[len(logprobs): -1]
     outputs, offset = [], 0
     for start, n, e in zip(flat.starts, flat.lengths, elementwise):
@@ -222,7 +226,7 @@ def _outputs(flat: Flat, passes: list[_Pass]) -> tuple[list[dict[str, list[float
         if per_token:
             outputs[-1]["elementwise_loss"] = el[offset: offset + e.numel()]
         offset += e.numel()
-    return outputs, values[-1]
+    return outputs, float(values[-1])
 
 
 @contextmanager
