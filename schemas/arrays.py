@@ -25,6 +25,7 @@ from pydantic import Field, PlainSerializer, PlainValidator, SerializationInfo, 
 # The dtypes a packed array may name; always little-endian on the wire.
 DTYPES: dict[str, np.dtype] = {name: np.dtype(name).newbyteorder("<")
                                for name in ("int32", "int64", "float32", "float64")}
+_NAMES: dict[np.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}  # dtype.name is a slow property
 # Serialization context for the list form (json.dumps-compatible numbers; NaN and infinities as the model's config
 # writes them).
 LISTS: dict[str, str] = {"arrays": "lists"}
@@ -41,8 +42,8 @@ _PACKED_SCHEMA = {
 
 def pack(values: np.ndarray) -> dict[str, str]:
     """The packed JSON form of a 1-D array."""
-    name = values.dtype.name
-    if name not in DTYPES:
+    name = _NAMES.get(values.dtype)
+    if name is None:
         raise ValueError(f"cannot pack an array of {values.dtype}")
     return {"dtype": name, "base64": pybase64.b64encode_as_string(values.astype(DTYPES[name], copy=False).tobytes())}
 
@@ -76,7 +77,7 @@ def _canonical_dtype(values: np.ndarray, kinds: str) -> np.ndarray:
     if values.ndim != 1 or values.dtype.kind not in kinds:
         raise ValueError(f"expected a 1-D array of numbers of kind {kinds!r}, got {values.dtype} of shape "
                          f"{values.shape}")
-    if values.dtype.name in DTYPES:
+    if values.dtype in _NAMES:
         return values
     return values.astype(np.float64 if values.dtype.kind == "f" else np.int64)
 
