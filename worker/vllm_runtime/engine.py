@@ -35,6 +35,7 @@ from schemas.ids import base_model_id
 from tinkerq.catalog import BaseModelCatalog
 from tinkerq.config import RuntimeConfig
 from worker.runtime.base import Admit, DomainError, Done, Engine, Keyed, check_fits, in_order, servable
+from worker.runtime.process_activity import Activity
 from worker.torch_runtime.base_models import base_path, resolve_device, resolve_dtype
 from worker.torch_runtime.lora_io import LoraWeights, save_adapter
 from worker.vllm_runtime import inplace, inplace_merged, memory_share, merge, translate
@@ -380,21 +381,24 @@ class VllmEngine(Engine):
 
         with outside:
             add(items)
+        activity = Activity()  # what else the process did meanwhile: a run slower here than in a bare process
         try:
-            while engine.has_unfinished_requests():
-                with in_vllm:
-                    outputs = engine.step()
-                with outside:
-                    for output in outputs:
-                        if output.finished:
-                            self._collect(owners.pop(output.request_id), output, waiting, done)
-                    if admit is not None:
-                        add(admit(same_call))
+            with activity:
+                while engine.has_unfinished_requests():
+                    with in_vllm:
+                        outputs = engine.step()
+                    with outside:
+                        for output in outputs:
+                            if output.finished:
+                                self._collect(owners.pop(output.request_id), output, waiting, done)
+                        if admit is not None:
+                            add(admit(same_call))
         except BaseException:
             engine.abort_request(list(owners))  # nothing of this run may outlive it
             raise
         log.info("engine run: %d vLLM requests in %d steps, %.1f ms in vLLM's steps, %.1f ms outside them (adding "
-                 "requests, results, admission)", run_requests, in_vllm.count, in_vllm.ms, outside.ms)
+                 "requests, results, admission); meanwhile %s", run_requests, in_vllm.count, in_vllm.ms, outside.ms,
+                 activity.describe())
 
     def _prompt(self, base_model: str, request: SampleRequest) -> dict[str, Any]:
         prompt: dict[str, Any] = {"prompt_token_ids": request.prompt_tokens}
