@@ -259,3 +259,12 @@ def test_the_activation_budget_and_pass_size_come_from_the_environment(monkeypat
     monkeypatch.delenv("TINKERQ_TRAIN_ACTIVATION_GIB")
     default = make_trainer(RuntimeConfig(checkpoint_root=str(tmp_path)), BaseModels("cpu", "float32")).options
     assert default.activation_budget_bytes == TrainOptions.for_device(torch.device("cpu")).activation_budget_bytes
+
+
+def test_the_default_activation_budget_is_a_share_of_the_gpu_capped():
+    from worker.torch_runtime.packed_forward import activation_budget
+
+    h100, h200 = 81559 * 2**20, 143771 * 2**20  # what torch reports of each card
+    assert activation_budget(h100) == 0.15 * h100 and round(activation_budget(h100) / 2**30, 1) == 11.9
+    assert activation_budget(h200) == 20 * 2**30  # the cap
+    assert activation_budget(24 * 2**30) == 0.15 * 24 * 2**30

@@ -105,8 +105,8 @@ class RuntimeConfig(BaseSettings):
     # (16384). The Ray runtime's data-parallel ranks split a forward_backward along these same passes.
     train_micro_batch_tokens: int = Field(0, ge=0)
     # Activation memory a trainer pass keeps whole, in GiB; the layers past it are checkpointed (run again in the
-    # backward). 0: the trainer's default (12 GiB on a GPU, no checkpointing on the CPU). More buys speed (fewer
-    # layers recomputed) at the memory the engine would have had.
+    # backward). 0: the trainer's default (15% of a GPU, at most 20 GiB; no checkpointing on the CPU). More buys
+    # speed (fewer layers recomputed) at the memory the engine would have had.
     train_activation_gib: float = Field(0.0, ge=0.0)
     # torch's intra-op CPU threads in each process of the runtime (the in-process worker, each Ray actor); 0: as
     # torch (or Ray, 1 per actor) sets them. CPU kernels split their sums over threads, so equal counts give
