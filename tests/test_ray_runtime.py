@@ -3,6 +3,9 @@ the in-process runtime serves: the same tokens, sampled logprobs to 1e-5 in floa
 very same logprobs, losses and adapters (data parallelism runs the in-process trainer's own micro-batches and
 sums their gradients in its order: worker/ray_runtime/data_parallel.py)."""
 
+import os
+import signal
+import threading
 
 import pytest
 import ray  # the `ray` extra is part of `make test`: a missing one fails here, never skips
@@ -23,6 +26,7 @@ from schemas import (
 )
 from tinkerq.config import RuntimeConfig
 from worker.ray_runtime import cluster
+from worker.ray_runtime.trainers import RanksLost
 from worker.runtime import DomainError
 from worker.runtimes import build_runtime
 
@@ -226,3 +230,58 @@ def test_a_ray_client_address_is_refused_before_ray_starts(monkeypatch):
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init called for a ray:// address"))
     with pytest.raises(ValueError, match="--ray-address auto"):
         cluster.connect("ray://head:10001")
+
+
+@pytest.mark.parametrize("killed", [0, 1])
+def test_a_trainer_rank_killed_mid_step_comes_back_holding_the_models(runtimes, killed):
+    """A trainer rank's process SIGKILLed as a forward_backward starts is restarted by Ray; the group is re-formed
+    with it and every model copied into it from the surviving rank, the forward_backward completes (run again if
+    the rank died inside it), and every step after is still the in-process trainer's, bit for bit."""
+    local, distributed = runtimes
+    model = f"killed{killed}:train:0"
+    for rt in runtimes:
+        create(rt, model)
+    rank = distributed.trainer.ranks[killed]
+    before, pid = ray.get(rank.hello.remote(), timeout=60)
+    for round_ in range(2):
+        data = [datum(p, [40 + round_, 41, 42], 1.0 if k % 2 else -0.5) for k, p in enumerate(PROMPTS)]
+        fb_request = ForwardBackwardRequest(model_id=model, data=data, loss_fn="importance_sampling")
+        opt_request = OptimStepRequest(model_id=model, adam_params=AdamParams(learning_rate=0.05))
+        expected = local.execute(fb_request), local.execute(opt_request)
+        outcome: dict = {}
+        call = threading.Thread(target=lambda: outcome.update(fb=distributed.execute(fb_request)))
+        call.start()
+        if round_ == 0:
+            os.kill(pid, signal.SIGKILL)
+        call.join(timeout=300)
+        assert not call.is_alive() and "fb" in outcome
+        got = outcome["fb"], distributed.execute(opt_request)
+        assert got == expected  # outputs, loss and the step's metrics
+        assert same_adapter(adapter(local, model), adapter(distributed, model))
+    after, new_pid = ray.get(rank.hello.remote(), timeout=60)
+    assert (after, new_pid) != (before, pid) and distributed.trainer.incarnations[killed] == after
+    # every model the ranks held came along, not only the one trained here
+    for other in ("fwd:train:0", "equal:train:0"):
+        if local.trainer.has_model(other):
+            assert same_adapter(adapter(local, other), adapter(distributed, other)), other
+
+
+def test_with_every_trainer_rank_killed_the_models_are_gone_and_the_trainer_serves_again(runtimes):
+    """No survivor to copy from: the call fails (the consumer's durable restore rebuilds the models on their next
+    use, tests/test_durable.py), the trainer knows no model, and a new one trains as in process. Last in this module:
+    it drops every model the ranks held."""
+    local, distributed = runtimes
+    model = "orphan:train:0"
+    for rt in runtimes:
+        create(rt, model)
+    for rank in distributed.trainer.ranks:
+        os.kill(ray.get(rank.hello.remote(), timeout=60)[1], signal.SIGKILL)
+    data = [datum(p, [40, 41, 42], 1.0) for p in PROMPTS]
+    request = ForwardBackwardRequest(model_id=model, data=data, loss_fn="importance_sampling")
+    with pytest.raises(RanksLost):
+        distributed.trainer.forward(request, True)
+    assert not distributed.trainer.has_model(model)
+    create(distributed, model)
+    local.trainer.remove_model(model)
+    create(local, model)
+    assert distributed.execute(request) == local.execute(request)

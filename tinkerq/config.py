@@ -123,7 +123,7 @@ class RuntimeConfig(BaseSettings):
     ray_namespace: str = ""
     ray_engine_replicas: int = Field(0, ge=0, description="0: one per bundle")
     ray_trainer_ranks: int = Field(0, ge=0, description="0: one per bundle")
-    ray_max_restarts: int = Field(16, ge=0, description="times Ray restarts a dead engine replica")
+    ray_max_restarts: int = Field(16, ge=0, description="times Ray restarts a dead engine replica or trainer rank")
     ray_num_cpus: int = Field(0, ge=0, description="CPUs of a local Ray cluster; 0: the host's (at least the bundles)")
     # Test aid for the reference engine: simulated generation time per token.
     reference_delay_per_token_s: float = Field(0.0, ge=0.0)

@@ -32,10 +32,9 @@ def make_runtime(config: RuntimeConfig) -> Runtime:
     replicas = [ray.remote(EngineReplica).options(**placement.options(i % bundles, share), name=f"engine-{i}",
                                                   max_restarts=config.ray_max_restarts, max_task_retries=0)
                 .remote(config) for i in range(engines)]
-    # A restarted rank could not rejoin the running group: a trainer fault fails its request and needs a
-    # worker restart (the consumer's recovery replays what was acknowledged).
+    # A rank Ray restarts rejoins a re-formed group and takes a survivor's models (trainers.RayTrainer._regroup).
     trainers = [ray.remote(TrainerRank).options(**placement.options(i % bundles, share), name=f"trainer-{i}",
-                                                max_restarts=0)
+                                                max_restarts=config.ray_max_restarts, max_task_retries=0)
                 .remote(config, i, ranks) for i in range(ranks)]
     host, port = ray.get(trainers[0].address.remote(), timeout=CALL_TIMEOUT_S)
     ray.get([t.join.remote(host, port) for t in trainers], timeout=CALL_TIMEOUT_S)

@@ -1,17 +1,30 @@
 """One data-parallel trainer rank as a Ray actor: the torch trainer on its run of each forward_backward's
 micro-batches, in a torch.distributed group with the other ranks (gloo on the CPU, NCCL on GPUs). The gradients
 of a forward_backward are summed over the ranks once it succeeded everywhere (`commit`), in a fixed order, so
-every rank takes the same step and holds the same adapter as the in-process trainer (data_parallel.py)."""
+every rank takes the same step and holds the same adapter as the in-process trainer (data_parallel.py).
+
+A rank Ray restarted holds nothing: the caller re-forms the group with it (`leave`, then `join` on every rank) and
+hands it what a survivor holds (`models_state` -> `adopt`): every model's adapter, gradients and optimizer state."""
 
 import os
 import socket
+import uuid
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
 
-from schemas import CreateModelRequest, CustomLoss, ForwardRequest, LoadStateRequest, OptimStepRequest
+from schemas import CreateModelRequest, CustomLoss, ForwardRequest, LoadStateRequest, LoraConfig, OptimStepRequest
 from tinkerq.config import RuntimeConfig
 from worker.ray_runtime.boundary import Failed, guarded
+
+# A collective that waits longer than this for a rank has lost it (a dead rank would otherwise hold the others in
+# its all_gather for torch's default of 30 minutes); the caller then re-forms the group.
+GROUP_TIMEOUT_S = 120.0
+# (model id, base model, LoRA config, parameter values, their gradients, optimizer state), all on the host
+ModelState = tuple[str, str, LoraConfig, list[torch.Tensor], list[torch.Tensor | None], dict[str, Any]]
 
 
 def free_address() -> tuple[str, int]:
@@ -23,6 +36,10 @@ def free_address() -> tuple[str, int]:
         return ray.util.get_node_ip_address(), s.getsockname()[1]
 
 
+def _on_host(leaf: Any) -> Any:
+    return leaf.detach().cpu() if isinstance(leaf, torch.Tensor) else leaf
+
+
 class TrainerRank:
     def __init__(self, config: RuntimeConfig, rank: int, world: int) -> None:
         from worker.torch_runtime.assembly import make_trainer, set_threads
@@ -30,6 +47,7 @@ class TrainerRank:
 
         set_threads(config)
         self.rank, self.world = rank, world
+        self.incarnation = uuid.uuid4().hex  # a restart by Ray is a new one, holding no models
         self.trainer = make_trainer(config, BaseModels(config.device, config.dtype))
         # per model: each micro-batch's gradients of a forward_backward not yet committed, in order
         self._pending: dict[str, list[list[torch.Tensor | None]]] = {}
@@ -41,11 +59,44 @@ class TrainerRank:
     def address(self) -> tuple[str, int]:
         return free_address()
 
+    def hello(self) -> tuple[str, int]:
+        """This incarnation and its process id (the fault test kills that process)."""
+        return self.incarnation, os.getpid()
+
     def join(self, host: str, port: int) -> int:
         """Join the group (every rank calls this at once; it returns when all have)."""
         backend = "nccl" if self.trainer.bases.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world)
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world,
+                                timeout=timedelta(seconds=GROUP_TIMEOUT_S))
         return os.getpid()
+
+    def leave(self) -> None:
+        """Leave the group (one rank of it died), dropping gradients not yet committed; `join` a new one next."""
+        self._pending.clear()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def models_state(self) -> list[ModelState]:
+        """Every model this rank holds, on the host: what a restarted rank adopts to hold the same."""
+        out = []
+        for model_id, trained in self.trainer.models.items():
+            params = self._params(model_id)
+            out.append((model_id, trained.base.name, trained.spec, [p.detach().cpu() for p in params],
+                        [None if p.grad is None else p.grad.detach().cpu() for p in params],
+                        pytree.tree_map(_on_host, trained.optimizer.state_dict())))
+        return out
+
+    def adopt(self, states: list[ModelState]) -> None:
+        """Hold exactly these models, as the rank they came from holds them."""
+        for model_id in list(self.trainer.models):
+            self.trainer.remove_model(model_id)
+        for model_id, base, spec, values, grads, optimizer in states:
+            self.trainer.create_model(CreateModelRequest(model_id=model_id, base_model=base, lora=spec))
+            with torch.no_grad():
+                for p, value, grad in zip(self._params(model_id), values, grads, strict=True):
+                    p.copy_(value)
+                    p.grad = None if grad is None else grad.to(p.device)
+            self.trainer.models[model_id].optimizer.load_state_dict(optimizer)
 
     def _params(self, model_id: str) -> list[torch.nn.Parameter]:
         return self.trainer.models[model_id].optimizer.param_groups[0]["params"]
