@@ -61,8 +61,10 @@ from tinkerq.config import QueueConfig  # noqa: E402
 
 MODEL = "bench-rl:train:0"
 PHASES = ("sample", "build", "forward_backward", "optim_step", "sync")
+# 3 warm-up steps on a GPU: the worker's vLLM steps sped up over its first batches (H200, 2026-12-06: 2,968 -> 2,650
+# -> 2,524 -> 2,232 ms for the same 256 x 256), so one warm-up step measured a worker still warming (bench/RESULTS.md)
 DEFAULTS = {"cuda": dict(model="randq-0.5b", dtype="bfloat16", prompts=256, max_tokens=256, prompt_len=32, steps=5,
-                         warmup=1, raw_rounds=3, rank=32),
+                         warmup=3, raw_rounds=3, rank=32),
             "cpu": dict(model="tinyq-micro", dtype="float32", prompts=16, max_tokens=16, prompt_len=16, steps=3,
                         warmup=1, raw_rounds=3, rank=8)}
 # what the worker's log says about its memory and sleep mode, kept in the JSON

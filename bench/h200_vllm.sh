@@ -7,7 +7,7 @@
 #   bash bench/h200_vllm.sh install                      # there: verify, unpack, pip install into /tmp/site
 #   TAG=name bash bench/h200_vllm.sh run MODEL [bench args...]   # bench/sampling_throughput.py on the GPU
 #   TAG=name bash bench/h200_vllm.sh rl_step [bench args...]     # bench/gpu_rl_step.py: an RL step through the queue
-#     (defaults: randq-0.5b, 256 prompts x 256 tokens, 5 steps after 1 warm-up; --sleep: vLLM's sleep mode during
+#     (defaults: randq-0.5b, 256 prompts x 256 tokens, 5 steps after 3 warm-up ones; --sleep: vLLM's sleep mode during
 #     forward passes). About 5-7 minutes each on a fresh machine: run one per device command.
 set -euo pipefail
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
