@@ -185,7 +185,7 @@ def straightforward(model, request) -> list[torch.Tensor]:
 
     total, logprobs = 0.0, []
     for d in request.data:
-        tokens = torch.tensor([d.model_input], device=DEVICE)
+        tokens = torch.as_tensor(d.model_input, device=DEVICE)[None]
         logits = model(input_ids=tokens, use_cache=False).logits.float()[0]
         p = torch.log_softmax(logits, -1).gather(-1, torch.tensor(d.loss_fn_inputs["target_tokens"],
                                                                   device=DEVICE).long()[:, None])[:, 0]

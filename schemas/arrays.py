@@ -120,7 +120,7 @@ def _finite(values: np.ndarray) -> None:
         raise ValueError("values must be finite (no NaN or infinity)")
 
 
-def _anything(values: np.ndarray) -> None:
+def _unchecked(values: np.ndarray) -> None:
     pass
 
 
@@ -131,8 +131,7 @@ TokenArray = _array_type(list[Annotated[int, Field(ge=0)]], "iu", _non_negative,
 # weights).
 InputArray = _array_type(list[Annotated[float, Field(allow_inf_nan=False)]], "iuf", _finite, np.dtype(np.float64))
 # Per-token numbers of a result (logprobs, elementwise losses); NaN and infinities pass through.
-OutputArray = _array_type(list[float], "f", _anything, np.dtype(np.float64))
-
+OutputArray = _array_type(list[float], "f", _unchecked, np.dtype(np.float64))
 
 
 def equal(a: Any, b: Any) -> bool:

@@ -72,7 +72,7 @@ def straightforward(trainer, model_id, request):
     zero(trainer, model_id)
     total, logprobs, elementwise = 0.0, [], []
     for d in request.data:
-        logits = model(input_ids=torch.tensor([d.model_input])).logits.float()[0]
+        logits = model(input_ids=torch.as_tensor(d.model_input)[None]).logits.float()[0]
         targets = torch.tensor(d.loss_fn_inputs["target_tokens"]).long()
         p = torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
         inputs = {k: torch.tensor(v) for k, v in d.loss_fn_inputs.items() if k != "target_tokens"}

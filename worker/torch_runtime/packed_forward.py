@@ -109,7 +109,7 @@ class _Pass:
 
 def forward_request(base: LoadedBase, adapter: str, request: ForwardRequest, backward: bool, options: TrainOptions,
                     params: list[torch.nn.Parameter],
-                    loss: DatumLoss | None = None) -> tuple[list[dict[str, list[float]]], float]:
+                    loss: DatumLoss | None = None) -> tuple[list[dict[str, np.ndarray]], float]:
     """Per-datum {"logprobs", "elementwise_loss"} (the latter for per-token losses) and the loss summed over every
     datum; `loss` is the request's built-in loss unless given."""
     loss = loss or builtin_loss(request)

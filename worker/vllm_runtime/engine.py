@@ -16,7 +16,6 @@ sync only between runs (it stops admitting once a sync is queued), so no sample 
 weights change.
 """
 
-import gc
 import importlib.util
 import itertools
 import logging
@@ -25,8 +24,7 @@ import shutil
 import tempfile
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -385,7 +383,7 @@ class VllmEngine(Engine):
             add(items)
         activity = Activity()  # what else the process did meanwhile: a run slower here than in a bare process
         try:
-            with activity, _older_objects_frozen():
+            with activity:
                 while engine.has_unfinished_requests():
                     with in_vllm:
                         outputs = engine.step()
@@ -456,19 +454,6 @@ def _client_error() -> type[Exception]:
     except ImportError:
         return ValueError
     return VLLMClientError
-
-
-@contextmanager
-def _older_objects_frozen() -> Iterator[None]:
-    """Collections during a run skip every object that existed before it (gc.freeze; back to normal after): the
-    worker's heap (trainer, peft, transformers, the RQ worker) is far larger than a bare vLLM process's, and each
-    full collection in the middle of a run walked all of it (a 256-sample run: ~270 collections, 60-110 ms on an
-    H200 host)."""
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 class _Stopwatch:
