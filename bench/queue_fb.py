@@ -90,6 +90,7 @@ from worker.admission import Admission  # noqa: E402
 from worker.journal import Journal  # noqa: E402
 from worker.main import WorkerProcess, connect  # noqa: E402
 from worker.rq_worker import AllowlistJob  # noqa: E402
+from worker.runtime.process_activity import Activity  # noqa: E402
 from worker.runtime.runtime import Runtime  # noqa: E402
 from worker.torch_runtime.assembly import make_engine, make_trainer  # noqa: E402
 from worker.torch_runtime.base_models import BaseModels  # noqa: E402
@@ -116,13 +117,17 @@ class TimedTrainer(TorchTrainer):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.spans: list[tuple[float, float]] = []
+        self.activity: list[Activity] = []  # what else the process did during each call (GC, other threads)
 
     def forward(self, request, backward):  # noqa: ANN001, ANN201 - TorchTrainer's signature
         started = time.time()
+        activity = Activity()
         try:
-            return super().forward(request, backward)
+            with activity:
+                return super().forward(request, backward)
         finally:
             self.spans.append((started, time.time()))
+            self.activity.append(activity)
 
 
 def build_runtime(config: RuntimeConfig) -> tuple[Runtime, TimedTrainer]:
@@ -248,8 +253,10 @@ class Trip:
         else:
             raise RuntimeError(f"job {rid} has no started_at / ended_at")
         fwd_start, fwd_end = self.trainer.spans[-1]
+        gc_ms, gc_count = self.trainer.activity[-1].gc_ms, self.trainer.activity[-1].collections
         marks = [started, created, job_started, fwd_start, fwd_end, job_ended, started + seconds]
-        row = {"seconds": seconds, "request_id": rid, "loss": call["loss"], "cpu": cpu,
+        row = {"seconds": seconds, "request_id": rid, "loss": call["loss"], "cpu": cpu, "gc_ms": gc_ms,
+               "gc_collections": gc_count,
                "outside_trainer": seconds - (fwd_end - fwd_start)}
         for (key, _), a, b in zip(SEGMENTS, marks, marks[1:]):
             row[key] = b - a
@@ -262,7 +269,8 @@ def in_process(trainer: TimedTrainer, request: ForwardBackwardRequest, pause_s: 
     time.sleep(pause_s)
     t0 = time.perf_counter()
     output = trainer.forward(request, True)
-    return {"seconds": time.perf_counter() - t0, "loss": output.metrics["loss:sum"]}
+    return {"seconds": time.perf_counter() - t0, "loss": output.metrics["loss:sum"],
+            "gc_ms": trainer.activity[-1].gc_ms, "gc_collections": trainer.activity[-1].collections}
 
 
 # -- the replayed steps ----------------------------------------------------------------------------------------------
@@ -346,6 +354,9 @@ def summarize(queue: list[dict], local: list[dict], idle: list[dict], replays: l
             # the trip less the trainer's own time in it: what the queue adds, free of the trainer's noise
             "outside_trainer_ms": 1000 * outside, "trainer_in_queue_ms": 1000 * trainer,
             "in_process_after_idle_ms": 1000 * statistics.median(r["seconds"] for r in idle),
+            # garbage collection inside the trainer's call, by path (median ms per call)
+            "trainer_gc_ms": {path: statistics.median(r["gc_ms"] for r in rows)
+                              for path, rows in (("queue", queue), ("in_process", local), ("after_idle", idle))},
             "ratio_outside_trainer": (p + outside) / p,
             "segments_ms": {key: 1000 * statistics.median(r[key] for r in queue) for key, _ in SEGMENTS},
             # the least of each over the calls: on a shared machine, what the step costs when nothing intervenes
@@ -367,8 +378,10 @@ def table(report: dict) -> str:
     outside = (f"| in process + the queue's time outside the trainer | "
                f"{report['in_process_ms'] + report['outside_trainer_ms']:,.1f} | "
                f"{report['ratio_outside_trainer']:.3f} |")
+    gc = report["trainer_gc_ms"]
     segments = ("live trip, ms per segment (the trainer's own time in it, median: "
-                f"{report['trainer_in_queue_ms']:,.1f}; "
+                f"{report['trainer_in_queue_ms']:,.1f}; garbage collection inside the trainer's call: queued "
+                f"{gc['queue']:.1f} ms, in process {gc['in_process']:.1f}, after idling {gc['after_idle']:.1f}; "
                 f"CPU ms per call: client {cpu['client']:.0f}, API {cpu['api']:.0f}, worker {cpu['worker']:.0f}):")
     lines = [title, "", "| path | ms | ratio |", "| --- | --- | --- |",
              f"| in process: TorchTrainer.forward(request, backward=True) | {report['in_process_ms']:,.1f} | 1.000 |",
@@ -458,7 +471,8 @@ def _measure(args, conn, redis: Redis, trainer: TimedTrainer, scratch_url: str, 
         parts = " + ".join(f"{1000 * queue[-1][key]:.0f}" for key, _ in SEGMENTS)
         log(f"call {i + 1}/{args.repeats}: queue {1000 * queue[-1]['seconds']:,.1f} ms ({parts}), in process "
             f"{1000 * local[-1]['seconds']:,.1f} ms, after {1000 * lead_in:.0f} ms idle "
-            f"{1000 * idle[-1]['seconds']:,.1f} ms")
+            f"{1000 * idle[-1]['seconds']:,.1f} ms; GC in the trainer's call {queue[-1]['gc_ms']:.0f} / "
+            f"{local[-1]['gc_ms']:.0f} / {idle[-1]['gc_ms']:.0f} ms")
     log("replaying each step alone")
     steps, sizes = replay_steps(data, model_id, trainer, request, scratch_url)
     replays = run_replays(steps, args.replays, args.profile)

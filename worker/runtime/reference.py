@@ -56,7 +56,9 @@ class ReferenceTrainer(Trainer):
         step = self.steps[request.model_id]
         logprob = -1.0 / (1 + step)
         outputs = [{"logprobs": [logprob] * len(d.model_input)} for d in request.data]
-        loss = -sum(logprob * sum(d.loss_fn_inputs.get("weights", [1.0] * len(d.model_input))) for d in request.data)
+        # Python floats (tolist): a sum past float64's range is inf, as it always was, not a numpy overflow warning
+        loss = -sum(logprob * sum(d.loss_fn_inputs["weights"].tolist() if "weights" in d.loss_fn_inputs
+                                  else [1.0] * len(d.model_input)) for d in request.data)
         if backward:
             self.pending_grads[request.model_id] += len(request.data)
         return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss:sum": loss, "step:max": float(step)})
