@@ -64,9 +64,10 @@ def unpack(form: dict) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype)
 
 
-def _read_only(values: np.ndarray, fresh: bool) -> np.ndarray:
+def _read_only(values: np.ndarray, owned: bool) -> np.ndarray:
+    """`values`, read-only; copied first where the caller still holds them (`owned`: made here)."""
     if values.flags.writeable:
-        if not fresh:
+        if not owned:
             values = values.copy()  # the model is frozen: no caller keeps a handle that writes into it
         values.flags.writeable = False
     return values
@@ -87,18 +88,17 @@ def _array_type(list_type: Any, kinds: str, check: Callable[[np.ndarray], None],
     from_list = TypeAdapter(list_type)
 
     def validate(value: Any) -> np.ndarray:
-        fresh = True
         if isinstance(value, dict):
             values = unpack(value)
         elif isinstance(value, np.ndarray):
-            values, fresh = value, False
+            values = value
         elif isinstance(value, (list, tuple)):
             values = np.asarray(from_list.validate_python(value), dtype=list_dtype)
         else:
             raise ValueError(f"expected a list of numbers or a packed array, got {type(value).__name__}")
         values = _canonical_dtype(values, kinds)
         check(values)
-        return _read_only(values, fresh or values is not value)
+        return _read_only(values, owned=values is not value)  # a list, a packed form or a cast: a new array
 
     def serialize(values: np.ndarray, info: SerializationInfo) -> Any:
         if info.context and info.context.get("arrays") == "lists":

@@ -381,9 +381,8 @@ class VllmEngine(Engine):
 
         with outside:
             add(items)
-        activity = Activity()  # what else the process did meanwhile: a run slower here than in a bare process
-        try:
-            with activity:
+        try:  # what else the process did meanwhile tells a run slowed here from one slowed outside the worker
+            with Activity() as activity:
                 while engine.has_unfinished_requests():
                     with in_vllm:
                         outputs = engine.step()
