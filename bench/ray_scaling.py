@@ -14,7 +14,9 @@ and a data-parallel trainer rank on each. For each replica count N:
   both alike. tokens/s, medians of --repeats rounds after a warm-up.
 * **weight sync**: a transient WeightSyncRequest (export from the trainer, to every engine replica, applied), for
   each --sync-models x --sync-ranks, median of --syncs, alternating with the in-process runtime's. The payload is the
-  LoRA adapter; the transport is what the Ray runtime uses (worker/ray_runtime/trainers.WEIGHT_TRANSPORT).
+  LoRA adapter, sent by each of --transports (worker/ray_runtime/trainers.TRANSPORTS: "group", a broadcast over a
+  gloo group of trainer rank 0 and the replicas; "object_store", a copy through Ray's object store), on the same
+  actors.
 
 No queue, Redis or worker process: this measures the runtime the worker drives (bench/sampling_throughput.py and
 bench/gpu_rl_step.py measure the queue around it). On a GPU machine the in-process runtime shares GPU 0 with replica 0
@@ -38,9 +40,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import ray  # noqa: E402
+
 from bench.sampling_throughput import MODEL, Direct, setup_ops, weight_bytes, workload  # noqa: E402
 from worker.ray_runtime import cluster  # noqa: E402
-from worker.ray_runtime.trainers import WEIGHT_TRANSPORT  # noqa: E402
+from worker.ray_runtime.trainers import TRANSPORTS  # noqa: E402
 
 IN_PROCESS = "in_process"
 DEFAULTS = {"cuda": dict(model="randq-0.5b", dtype="bfloat16", engine="auto", requests=256, num_samples=1,
@@ -94,14 +98,33 @@ def sampling_row(args, base: Direct, ray_rt: Direct, replicas: int) -> dict:
 
 def sync_rows(args, base: Direct, ray_rt: Direct, replicas: int) -> list[dict]:
     rows = []
+    trainer = ray_rt.rt.trainer
     for model_id, base_model, rank in sync_cases(args):
+        def over(transport: str) -> Callable[[], float]:
+            def sync() -> float:
+                trainer.transport = transport  # what its exports are: the engine facade takes either
+                ms = ray_rt.sync_ms(None, model_id)
+                # The group's record copy is made after the sync, delaying the trainer's next call: not the next
+                # sync timed here.
+                ray.wait([record_of(ray_rt, model_id)], timeout=600)
+                return ms
+            return sync
+
         times = alternate(args.syncs, {IN_PROCESS: lambda: base.sync_ms(None, model_id),
-                                       "ray": lambda: ray_rt.sync_ms(None, model_id)})
-        rows.append({"replicas": replicas, "base_model": base_model, "lora_rank": rank,
-                     "payload_bytes": weight_bytes(base, model_id)["lora"], "transport": WEIGHT_TRANSPORT,
-                     "ms": statistics.median(times["ray"]), "in_process_ms": statistics.median(times[IN_PROCESS]),
-                     "all_ms": times})
+                                       **{t: over(t) for t in args.transports.split(",")}})
+        for transport in args.transports.split(","):
+            rows.append({"replicas": replicas, "base_model": base_model, "lora_rank": rank,
+                         "payload_bytes": weight_bytes(base, model_id)["lora"], "transport": transport,
+                         "ms": statistics.median(times[transport]),
+                         "in_process_ms": statistics.median(times[IN_PROCESS]), "all_ms": times[transport],
+                         "in_process_all_ms": times[IN_PROCESS]})
     return rows
+
+
+def record_of(ray_rt: Direct, model_id: str) -> ray.ObjectRef:
+    """The reference the Ray engine facade keeps of the model's latest snapshot."""
+    versions = next(v for m, _, v in ray_rt.rt.engine.record.records() if m == model_id)
+    return versions[-1][1]
 
 
 def measure(args, tmp: Path, counts: list[int]) -> tuple[list[dict], list[dict]]:
@@ -142,12 +165,13 @@ def print_tables(args, sampling: list[dict], syncs: list[dict]) -> None:
         speedup = r["speedup_over_one_replica"]
         print(f"{r['replicas']:>8}{r['tokens_per_s']:>10.0f}{r['in_process_tokens_per_s']:>12.0f}"
               f"{r['ratio_to_in_process']:>8.2f}{speedup if speedup is None else f'{speedup:.2f}':>13}")
-    print(f"\nweight sync (transient, LoRA adapter): transport {WEIGHT_TRANSPORT} (Ray) vs in process; "
-          f"median of {args.syncs}")
-    print(f"{'replicas':>8}  {'base':<14}{'rank':>5}{'payload':>11}{'ray ms':>9}{'in proc ms':>12}{'extra ms':>10}")
+    print(f"\nweight sync (transient, LoRA adapter): the Ray runtime by transport vs in process; median of "
+          f"{args.syncs}, alternating")
+    print(f"{'replicas':>8}  {'base':<14}{'rank':>5}{'payload':>11}  {'transport':<13}{'ray ms':>9}{'in proc ms':>12}"
+          f"{'extra ms':>10}")
     for r in syncs:
         print(f"{r['replicas']:>8}  {r['base_model']:<14}{r['lora_rank']:>5}{r['payload_bytes'] / 2**20:>8.2f}MiB"
-              f"{r['ms']:>9.1f}{r['in_process_ms']:>12.1f}{r['ms'] - r['in_process_ms']:>10.1f}")
+              f"  {r['transport']:<13}{r['ms']:>9.1f}{r['in_process_ms']:>12.1f}{r['ms'] - r['in_process_ms']:>10.1f}")
 
 
 def plot(sampling: list[dict], syncs: list[dict], title: str, path: Path) -> None:
@@ -166,15 +190,17 @@ def plot(sampling: list[dict], syncs: list[dict], title: str, path: Path) -> Non
               label="in process (same rounds)")
     left.set(xlabel="engine replicas", ylabel="sampled tokens/s", title="sampling", xticks=counts)
     left.legend(fontsize=8)
-    for replicas in sorted({r["replicas"] for r in syncs}):
-        mine = sorted((r for r in syncs if r["replicas"] == replicas), key=lambda r: r["payload_bytes"])
+    for replicas, transport in sorted({(r["replicas"], r["transport"]) for r in syncs}):
+        mine = sorted((r for r in syncs if (r["replicas"], r["transport"]) == (replicas, transport)),
+                      key=lambda r: r["payload_bytes"])
         right.plot([r["payload_bytes"] / 2**20 for r in mine], [r["ms"] for r in mine], marker="o",
-                   label=f"Ray, {replicas} replica(s)")
-    base = sorted((r for r in syncs if r["replicas"] == syncs[0]["replicas"]), key=lambda r: r["payload_bytes"])
+                   label=f"Ray, {replicas} replica(s), {transport}")
+    base = sorted((r for r in syncs if (r["replicas"], r["transport"]) == (syncs[0]["replicas"], syncs[0]["transport"])),
+                  key=lambda r: r["payload_bytes"])
     right.plot([r["payload_bytes"] / 2**20 for r in base], [r["in_process_ms"] for r in base], marker="s",
                linestyle=":", label="in process")
     right.set(xlabel="adapter payload (MiB)", ylabel="sync ms (median)", xscale="log", yscale="log",
-              title=f"weight sync ({WEIGHT_TRANSPORT})")
+              title="weight sync by transport")
     right.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
@@ -199,6 +225,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sync-ranks", help="comma-separated LoRA ranks whose sync is timed")
     parser.add_argument("--repeats", type=int, help="sampling rounds")
     parser.add_argument("--syncs", type=int, help="syncs per case")
+    parser.add_argument("--transports", default=",".join(TRANSPORTS), help="the Ray runtime's weight transports")
     # On the CPU both runtimes get Ray's one thread per actor: at two threads on this 2-vCPU VM the in-process
     # runtime's rounds swung from 0.3k to 13k tokens/s (OpenMP threads spinning against the other processes).
     parser.add_argument("--torch-threads", type=int, help="torch threads per process, both runtimes (0: torch's)")
@@ -229,7 +256,7 @@ def main() -> None:
     out = ROOT / "bench" / "results" / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     machine = f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, Python {platform.python_version()}"
-    out.write_text(json.dumps({"date": date.today().isoformat(), "machine": machine, "transport": WEIGHT_TRANSPORT,
+    out.write_text(json.dumps({"date": date.today().isoformat(), "machine": machine, "transports": args.transports,
                                "sampled_model": MODEL, "workload": vars(args), "sampling": sampling, "sync": syncs},
                               indent=2))
     print(f"wrote {out}")

@@ -95,9 +95,10 @@ def step(rt, model_id: str, outputs: list[SampleOutput], version: int):
 
 
 def adapter(rt, model_id: str) -> dict[str, torch.Tensor]:
-    weights = rt.trainer.export_weights(model_id)
-    weights = ray.get(weights) if isinstance(weights, ray.ObjectRef) else weights
-    return weights.tensors
+    ranks = getattr(rt.trainer, "ranks", None)
+    if ranks is None:
+        return rt.trainer.export_weights(model_id).tensors
+    return ray.get(ranks[0].export_weights.remote(model_id)).tensors
 
 
 def close(a: list[float], b: list[float]) -> bool:
@@ -133,6 +134,58 @@ def test_two_replicas_and_two_ranks_serve_what_one_process_serves(runtimes):
         assert opt_a.metrics == opt_b.metrics
         assert same_adapter(adapter(local, model), adapter(distributed, model))
     assert distributed.engine.live_versions(model) == [1, 2, 3]
+
+
+def same_samples(mine: list, theirs: list, version: int) -> None:
+    for a, b in zip(mine, theirs, strict=True):
+        assert isinstance(a, SampleOutput) and isinstance(b, SampleOutput), (a, b)
+        assert b.weights_version == version
+        assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+        assert all(close(sa.logprobs, sb.logprobs) for sa, sb in zip(a.sequences, b.sequences))
+
+
+def test_syncs_travel_over_the_weights_group_and_a_restarted_replica_rejoins_it(runtimes):
+    """A sync is broadcast from trainer rank 0 over the weights group (weight_group.py), and the snapshot record keeps
+    the very weights that were sent. An engine replica SIGKILLed between syncs is rebuilt from the record, the next
+    sync forms the group again with its new incarnation, and every replica serves each live version as in process."""
+    local, distributed = runtimes
+    group = distributed.engine.group
+    assert distributed.trainer.transport == "group", "the Ray runtime's default transport"
+    model = "group:train:0"
+    for rt in runtimes:
+        create(rt, model)
+    outputs = [rt.sample(requests(model, 0)) for rt in runtimes]
+    for rt, out in zip(runtimes, outputs, strict=True):
+        step(rt, model, out, 0)
+    formation = group.generation
+    assert formation >= 1 and set(group.formed) == {0, 1}
+    recorded = dict(distributed.engine.record.records()[-1][2])  # the record of this model: version -> reference
+    assert same_adapter(ray.get(recorded[1]).tensors, adapter(distributed, model))
+
+    replica = distributed.engine.replicas[1]
+    os.kill(ray.get(replica.hello.remote(), timeout=60)[1], signal.SIGKILL)
+    outputs = [rt.sample(requests(model, 1)) for rt in runtimes]  # the lost replica's share fails, retryably
+    for rt in runtimes:
+        step(rt, model, local.sample(requests(model, 1)), 1)
+    assert group.generation == formation + 1, "the restarted replica is in a new formation of the group"
+    for version in (1, 2):
+        same_samples(local.sample(requests(model, version)), distributed.sample(requests(model, version)), version)
+
+
+def test_the_object_store_transport_serves_what_one_process_serves(runtimes):
+    """The other transport (config.ray_weight_transport="object_store": syncs as copies through Ray's object store),
+    on the same actors: the trainer's transport decides what its exports are."""
+    local, distributed = runtimes
+    distributed.trainer.transport = "object_store"
+    try:
+        model = "store:train:0"
+        for rt in runtimes:
+            create(rt, model)
+            step(rt, model, local.sample(requests(model, 0)), 0)
+        assert isinstance(distributed.engine.record.records()[-1][2][-1][1], ray.ObjectRef)
+        same_samples(local.sample(requests(model, 1)), distributed.sample(requests(model, 1)), 1)
+    finally:
+        distributed.trainer.transport = "group"
 
 
 def test_every_rank_holds_the_same_adapter(runtimes):

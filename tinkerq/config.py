@@ -125,6 +125,9 @@ class RuntimeConfig(BaseSettings):
     ray_trainer_ranks: int = Field(0, ge=0, description="0: one per bundle")
     ray_max_restarts: int = Field(16, ge=0, description="times Ray restarts a dead engine replica or trainer rank")
     ray_num_cpus: int = Field(0, ge=0, description="CPUs of a local Ray cluster; 0: the host's (at least the bundles)")
+    # How a sync reaches the engine replicas: "group", broadcast from trainer rank 0 over a gloo group of their own
+    # (worker/ray_runtime/weight_group.py); "object_store", a copy through Ray's object store that each replica reads.
+    ray_weight_transport: Literal["group", "object_store"] = "group"
     # Test aid for the reference engine: simulated generation time per token.
     reference_delay_per_token_s: float = Field(0.0, ge=0.0)
 

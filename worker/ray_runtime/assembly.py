@@ -13,6 +13,7 @@ from worker.ray_runtime.engine_actor import EngineReplica
 from worker.ray_runtime.engines import RayEngine
 from worker.ray_runtime.trainer_actor import TrainerRank
 from worker.ray_runtime.trainers import CALL_TIMEOUT_S, RayTrainer
+from worker.ray_runtime.weight_group import GroupSync
 from worker.runtime.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,8 @@ def make_runtime(config: RuntimeConfig) -> Runtime:
                 .remote(config, i, ranks) for i in range(ranks)]
     host, port = ray.get(trainers[0].address.remote(), timeout=CALL_TIMEOUT_S)
     ray.get([t.join.remote(host, port) for t in trainers], timeout=CALL_TIMEOUT_S)
-    log.info("Ray runtime: %d bundles (%s), %d engine replicas, %d trainer ranks", bundles,
-             "GPU" if placement.gpu else "CPU", engines, ranks)
+    log.info("Ray runtime: %d bundles (%s), %d engine replicas, %d trainer ranks, weights by %s", bundles,
+             "GPU" if placement.gpu else "CPU", engines, ranks, config.ray_weight_transport)
 
     def close() -> None:
         for trainer in trainers:
@@ -48,5 +49,6 @@ def make_runtime(config: RuntimeConfig) -> Runtime:
         if connected:
             cluster.disconnect()
 
-    engine = RayEngine(replicas, config.max_snapshots, on_close=close)
-    return Runtime(RayTrainer(trainers, Path(config.checkpoint_root)), engine)
+    # The trainer's transport decides what its exports are (trainers.TRANSPORTS); the engine facade takes either.
+    engine = RayEngine(replicas, config.max_snapshots, GroupSync(trainers[0], CALL_TIMEOUT_S), on_close=close)
+    return Runtime(RayTrainer(trainers, Path(config.checkpoint_root), config.ray_weight_transport), engine)

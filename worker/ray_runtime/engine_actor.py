@@ -16,6 +16,7 @@ import ray
 from schemas import CreateModelRequest, ErrorResponse, SampleOutput
 from tinkerq.config import RuntimeConfig
 from worker.ray_runtime.boundary import Failed, Stale, guarded
+from worker.ray_runtime.weight_group import GroupMember, WeightsMeta
 from worker.runtime.base import Keyed
 
 # (model id, base model, [(version, weights or a reference to them), ...] oldest first)
@@ -31,6 +32,7 @@ class EngineReplica:
         set_threads(config)
         self.engine = make_engine(config, BaseModels(config.device, config.dtype))
         self.incarnation = uuid.uuid4().hex
+        self.weights = GroupMember()  # its place in the weights group (weight_group.py)
 
     def hello(self) -> tuple[str, int]:
         """This incarnation and its process id (the fault test kills that process)."""
@@ -62,6 +64,22 @@ class EngineReplica:
     def apply_weights(self, expect: str | None, model_id: str, version: int, weights: Any) -> None:
         self._check(expect)
         self.engine.apply_weights(model_id, version, weights)
+
+    def weights_join(self, host: str, port: int, rank: int, world: int, generation: int) -> None:
+        self.weights.join(host, port, rank, world, generation)
+
+    def weights_leave(self) -> None:
+        self.weights.leave()
+
+    def receive_weights(self, expect: str | None, model_id: str, version: int, meta: WeightsMeta,
+                        base_model: str | None) -> None:
+        """Take trainer rank 0's broadcast: add the model (base_model given) or apply a snapshot as `version`."""
+        self._check(expect)
+        weights = self.weights.receive(meta)
+        if base_model is not None:
+            self.engine.add_model(model_id, base_model, weights, version)
+        else:
+            self.engine.apply_weights(model_id, version, weights)
 
     def remove_model(self, expect: str | None, model_id: str) -> None:
         self._check(expect)

@@ -17,6 +17,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 from schemas import CreateModelRequest, ErrorResponse, SampleOutput, SampleRequest
 from worker.ray_runtime.boundary import Stale, unwrap
 from worker.ray_runtime.snapshots import SnapshotRecord
+from worker.ray_runtime.weight_group import GroupSync, OnTrainer
 from worker.runtime.base import Admit, Done, Engine, Keyed, in_order
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ def cost(request: SampleRequest) -> int:
 
 
 class RayEngine(Engine):
-    def __init__(self, replicas: list[ActorHandle], max_snapshots: int, on_close=None) -> None:
+    def __init__(self, replicas: list[ActorHandle], max_snapshots: int, group: GroupSync, on_close=None) -> None:
         if not replicas:
             raise ValueError("a Ray engine needs at least one replica")
         self.replicas = replicas
@@ -52,18 +53,41 @@ class RayEngine(Engine):
         self.dead: set[int] = set()  # replicas Ray gave up restarting
         self.record = SnapshotRecord(max_snapshots)
         self._on_close = on_close
+        self.group = group  # how weights left on trainer rank 0 (OnTrainer) are broadcast to the replicas
         for i in range(len(replicas)):
             self._resync(i)
 
     # -- snapshots: the record first, then every replica ----------------------------------------
 
     def add_model(self, model_id: str, base_model: str, weights: Any, version: int = 0) -> None:
+        if isinstance(weights, OnTrainer):
+            kept, failed = self._broadcast(model_id, version, base_model)
+            self.record.add_model(model_id, base_model, kept, version)
+            self._rebuild(failed)
+            return
         self.record.add_model(model_id, base_model, weights, version)
         self._everywhere("add_model", model_id, base_model, weights, version)
 
     def apply_weights(self, model_id: str, version: int, weights: Any) -> None:
+        if isinstance(weights, OnTrainer):
+            kept, failed = self._broadcast(model_id, version, None)
+            self.record.apply(model_id, version, kept)
+            self._rebuild(failed)
+            return
         self.record.apply(model_id, version, weights)
         self._everywhere("apply_weights", model_id, version, weights)
+
+    def _broadcast(self, model_id: str, version: int, base_model: str | None) -> tuple[ray.ObjectRef, list[int]]:
+        """Trainer rank 0's weights of the model to every serving replica over the weights group: a reference to
+        them for the record, and the replicas that did not take them."""
+        self._heal()
+        serving = {i: (self.replicas[i], self.synced[i]) for i in self._serving()}
+        return self.group.deliver(model_id, version, serving, base_model)
+
+    def _rebuild(self, replicas: list[int]) -> None:
+        """Replicas that missed a change: rebuilt from the record (which holds it) through the object store."""
+        for i in replicas:
+            self._resync(i)
 
     def remove_model(self, model_id: str) -> None:
         self.record.remove(model_id)

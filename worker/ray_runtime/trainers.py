@@ -36,15 +36,17 @@ from schemas import (
 )
 from worker.ray_runtime.boundary import Failed, unwrap
 from worker.ray_runtime.data_parallel import assignment, merged, part
+from worker.ray_runtime.weight_group import OnTrainer
 from worker.runtime.base import DomainError, Trainer
 
 log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 1800.0  # one training call; longer is an infrastructure fault (the consumer's RQ job fails)
 RESTART_TIMEOUT_S = 300.0  # how long a dead rank may take to come back
-# How a sync's weights reach the engine replicas, named for reports (bench/ray_scaling.py prints it): rank 0's
-# export is a task return value, kept once by Ray (in its shared-memory object store; one under 100 KiB travels
-# inline in the reply instead) and read by every replica. No CUDA IPC or NCCL yet.
-WEIGHT_TRANSPORT = "ray-object-store"
+# How a sync's weights reach the engine replicas (config.ray_weight_transport): "object_store", rank 0's export as a
+# task return value, kept once by Ray (in its shared-memory object store; one under 100 KiB travels inline in the
+# reply instead) and read by every replica; "group", broadcast over a gloo group of rank 0 and the replicas
+# (weight_group.py). No CUDA IPC or NCCL yet.
+TRANSPORTS = ("object_store", "group")
 
 
 def _all(refs: list[ray.ObjectRef]) -> list[Any]:
@@ -61,8 +63,9 @@ class RanksLost(RuntimeError):
 
 
 class RayTrainer(Trainer):
-    def __init__(self, ranks: list[ActorHandle], checkpoint_root: Path) -> None:
+    def __init__(self, ranks: list[ActorHandle], checkpoint_root: Path, transport: str = "object_store") -> None:
         self.ranks = ranks
+        self.transport = transport
         self.root = checkpoint_root.resolve()
         self._bases: dict[str, str] = {}
         # the ranks' pass budget: a request is split along the micro-batches the in-process trainer would make
@@ -196,7 +199,9 @@ class RayTrainer(Trainer):
         self._on_ranks(lambda i, rank: rank.remove_model.remote(model_id), rerun=True)
         self._bases.pop(model_id, None)
 
-    def export_weights(self, model_id: str) -> ray.ObjectRef:
+    def export_weights(self, model_id: str) -> ray.ObjectRef | OnTrainer:
+        if self.transport == "group":
+            return OnTrainer(model_id)  # the engine facade has rank 0 broadcast them
         return self.ranks[0].export_weights.remote(model_id)  # a reference, owned by this process
 
     def _on_rank0(self, call: Callable[[ActorHandle], ray.ObjectRef]) -> Any:
