@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import to_json
 from redis import Redis
-from redis.exceptions import WatchError
+from redis.exceptions import NoScriptError, WatchError
 from rq import Queue
 
 from producer.errors import Rejected
@@ -206,12 +206,22 @@ class Producer:
         return keys.seq_key(request.model_id, seq_id) if seq_id is not None else keys.request_key(rid)
 
     def _read_states(self, items: list[_Item]) -> list[list]:
-        """Everything each decision needs, for all items in one round trip (WATCH already covers it)."""
-        with self.connection.pipeline(transaction=False) as reads:
-            for item in items:
-                self._read_state(keys=[item.record, item.claim, self._queues[item.shard].key, item.wver],
-                                 args=[item.rid, keys.request_key("")], client=reads)
-            return reads.execute()
+        """Everything each decision needs, for all items in one round trip (WATCH already covers it). The script
+        goes by its sha alone (redis-py's pipeline asks SCRIPT EXISTS first: a round trip more per submit), and is
+        loaded again where Redis lost it (a restart, SCRIPT FLUSH)."""
+        script = self._read_state
+        for attempt in range(2):
+            with self.connection.pipeline(transaction=False) as reads:
+                for item in items:
+                    reads.evalsha(script.sha, 4, item.record, item.claim, self._queues[item.shard].key, item.wver,
+                                  item.rid, keys.request_key(""))
+                try:
+                    return reads.execute()
+                except NoScriptError:
+                    if attempt:
+                        raise
+                    script.sha = self.connection.script_load(script.script)
+        raise AssertionError("unreachable")
 
     def _submit_batch(self, pipe, items: list[_Item | Rejected], atomic: bool) -> list[Ticket | Rejected]:
         live = [item for item in items if isinstance(item, _Item)]

@@ -240,3 +240,15 @@ def test_malformed_job_data_is_refused_as_json_loads_refuses_it(text):
 
     with pytest.raises(json.JSONDecodeError):
         JobSerializer.loads(text.encode())
+
+
+def test_a_submit_after_redis_lost_its_scripts_loads_them_again(r):
+    """The read script goes by its sha alone (no SCRIPT EXISTS round trip per submit); after a SCRIPT FLUSH (as after
+    a Redis restart) the next submit loads it again and is decided as before."""
+    producer = Producer(r, QueueConfig(num_shards=1))
+    first = producer.submit(SampleRequest(model_id="m:train:0", prompt_tokens=[1]), request_id="sa-flush-1")
+    r.script_flush()
+    again = producer.submit(SampleRequest(model_id="m:train:0", prompt_tokens=[1]), request_id="sa-flush-1")
+    second = producer.submit(SampleRequest(model_id="m:train:0", prompt_tokens=[2]), request_id="sa-flush-2")
+    assert again.request_id == first.request_id and again.duplicate
+    assert not second.duplicate and r.llen(producer._queues[0].key) == 2
