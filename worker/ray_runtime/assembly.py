@@ -13,7 +13,7 @@ from worker.ray_runtime.engine_actor import EngineReplica
 from worker.ray_runtime.engines import RayEngine
 from worker.ray_runtime.trainer_actor import TrainerRank
 from worker.ray_runtime.trainers import CALL_TIMEOUT_S, RayTrainer
-from worker.ray_runtime.weight_group import GroupSync
+from worker.ray_runtime.weight_sync import GroupSync
 from worker.runtime.runtime import Runtime
 
 log = logging.getLogger(__name__)

@@ -30,9 +30,10 @@ class EngineReplica:
         from worker.torch_runtime.base_models import BaseModels
 
         set_threads(config)
-        self.engine = make_engine(config, BaseModels(config.device, config.dtype))
+        bases = BaseModels(config.device, config.dtype)
+        self.engine = make_engine(config, bases)
         self.incarnation = uuid.uuid4().hex
-        self.weights = GroupMember()  # its place in the weights group (weight_group.py)
+        self.weights = GroupMember(bases.device)  # its place in the weights group (weight_group.py)
 
     def hello(self) -> tuple[str, int]:
         """This incarnation and its process id (the fault test kills that process)."""
@@ -71,9 +72,13 @@ class EngineReplica:
     def weights_leave(self) -> None:
         self.weights.leave()
 
+    def weights_gpu(self) -> str | None:
+        return self.weights.gpu
+
     def receive_weights(self, expect: str | None, model_id: str, version: int, meta: WeightsMeta,
                         base_model: str | None) -> None:
-        """Take trainer rank 0's broadcast: add the model (base_model given) or apply a snapshot as `version`."""
+        """Take trainer rank 0's export (by CUDA IPC or the group's broadcast): add the model (base_model given) or
+        apply a snapshot as `version`."""
         self._check(expect)
         weights = self.weights.receive(meta)
         if base_model is not None:

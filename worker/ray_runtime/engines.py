@@ -17,7 +17,8 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 from schemas import CreateModelRequest, ErrorResponse, SampleOutput, SampleRequest
 from worker.ray_runtime.boundary import Stale, unwrap
 from worker.ray_runtime.snapshots import SnapshotRecord
-from worker.ray_runtime.weight_group import GroupSync, OnTrainer
+from worker.ray_runtime.weight_group import OnTrainer
+from worker.ray_runtime.weight_sync import GroupSync
 from worker.runtime.base import Admit, Done, Engine, Keyed, in_order
 
 log = logging.getLogger(__name__)

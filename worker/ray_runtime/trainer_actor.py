@@ -20,7 +20,7 @@ from schemas import CreateModelRequest, CustomLoss, ForwardRequest, LoadStateReq
 from tinkerq.config import RuntimeConfig
 from worker.ray_runtime.boundary import Failed, guarded
 from worker.ray_runtime.weight_group import GroupMember, WeightsMeta
-from worker.torch_runtime.lora_io import LoraWeights, _unpacked
+from worker.torch_runtime.lora_io import LoraWeights
 
 # A collective that waits longer than this for a rank has lost it (a dead rank would otherwise hold the others in
 # its all_gather for torch's default of 30 minutes); the caller then re-forms the group.
@@ -53,8 +53,7 @@ class TrainerRank:
         self.trainer = make_trainer(config, BaseModels(config.device, config.dtype))
         # per model: each micro-batch's gradients of a forward_backward not yet committed, in order
         self._pending: dict[str, list[list[torch.Tensor | None]]] = {}
-        self.weights = GroupMember()  # rank 0's place in the weights group (weight_group.py)
-        self._staged: tuple[list[torch.Tensor], WeightsMeta] | None = None
+        self.weights = GroupMember(self.trainer.bases.device)  # rank 0's place in the weights group (weight_group.py)
 
     def micro_batch_tokens(self) -> int:
         """The budget its passes are cut at: the driver splits requests along the same micro-batches."""
@@ -204,20 +203,15 @@ class TrainerRank:
         self.weights.leave()
 
     def stage_weights(self, model_id: str) -> WeightsMeta:
-        """Export the adapter for a broadcast; what receivers need to take it."""
-        self._staged = self.weights.stage(self.trainer.export_weights(model_id))
-        return self._staged[1]
+        """Export the adapter and hold it for the replicas; what they need to take it."""
+        return self.weights.stage(self.trainer.export_weights(model_id))
 
     def send_staged(self, generation: int) -> None:
-        if generation != self.weights.generation:
-            raise RuntimeError(f"asked to send in formation {generation}; this rank is in {self.weights.generation}")
-        self.weights.broadcast(self._staged[0])
+        self.weights.send(generation)
 
     def staged_weights(self) -> LoraWeights:
-        """The export just sent, for the facade's snapshot record (Ray's object store keeps it)."""
-        buffers, meta = self._staged
-        self._staged = None
-        return _unpacked(meta.config, buffers, meta.layout)
+        """The export just sent, on the host, for the facade's snapshot record (Ray's object store keeps it)."""
+        return self.weights.unstage()
 
     def save_sampler_weights(self, model_id: str, name: str):
         return guarded(lambda: self.trainer.save_sampler_weights(model_id, name))
