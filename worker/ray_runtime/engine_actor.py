@@ -72,8 +72,10 @@ class EngineReplica:
     def weights_leave(self) -> None:
         self.weights.leave()
 
-    def weights_gpu(self) -> str | None:
-        return self.weights.gpu
+    def weights_ready(self, expect: str | None) -> tuple[str | None, int]:
+        """Before a sync: that this is the incarnation the caller synced (Stale if not), its GPU and its formation."""
+        self._check(expect)
+        return self.weights.gpu, self.weights.generation
 
     def receive_weights(self, expect: str | None, model_id: str, version: int, meta: WeightsMeta,
                         base_model: str | None) -> None:

@@ -3,6 +3,7 @@ take trainer rank 0's export by CUDA IPC and which by the group's broadcast, for
 changed, and which replicas did not take it."""
 
 import logging
+from typing import Any
 
 import ray
 from ray.actor import ActorHandle
@@ -19,42 +20,42 @@ class GroupSync:
     def __init__(self, sender: ActorHandle, timeout_s: float) -> None:
         self.sender, self.timeout_s = sender, timeout_s
         self.generation = 0
-        self.formed: dict[int, str] = {}  # replica -> the incarnation it was when it joined
-        self._gpus: dict[str, str | None] = {}  # a replica incarnation -> its GPU
+        self.formed: set[int] = set()  # the replicas in the current formation
 
     def deliver(self, model_id: str, version: int, replicas: dict[int, tuple[ActorHandle, str]],
                 base_model: str | None) -> tuple[ray.ObjectRef, list[int]]:
         """Send the model's current weights to these replicas (index -> (handle, incarnation)), which add the model
         (base_model given) or apply them as `version`: by CUDA IPC to those on the trainer's GPU, over the group to
         the others. A reference to the weights (for the snapshot record) and the replicas that did not take them
-        (each to be rebuilt from the record)."""
-        meta = ray.get(self.sender.stage_weights.remote(model_id), timeout=self.timeout_s)
-        mapped = {i for i, (handle, incarnation) in replicas.items()
-                  if meta.gpu is not None and self._gpu(handle, incarnation) == meta.gpu}
-        grouped = {i: replica for i, replica in replicas.items() if i not in mapped}
+        (each to be rebuilt from the record).
+
+        Every replica says first, while the trainer stages the export, that it is the incarnation the facade synced
+        and which formation it is in: a broadcast that counted a member that died or was restarted since would wait
+        out GROUP_TIMEOUT_S on every member (gloo does not notice a peer that died between two collectives)."""
+        staged = self.sender.stage_weights.remote(model_id)
+        asked = {i: handle.weights_ready.remote(incarnation) for i, (handle, incarnation) in replicas.items()}
+        meta = ray.get(staged, timeout=self.timeout_s)
+        ready = {i: _value(ref, self.timeout_s) for i, ref in asked.items()}  # (GPU, formation); None: not there
+        mapped = {i for i, r in ready.items() if r is not None and meta.gpu is not None and r[0] == meta.gpu}
+        grouped = {i: replicas[i] for i, r in ready.items() if r is not None and i not in mapped}
         calls = []
         if grouped:
-            if meta.generation != self.generation or {i: inc for i, (_, inc) in grouped.items()} != self.formed:
+            if (meta.generation != self.generation or set(grouped) != self.formed
+                    or any(ready[i][1] != self.generation for i in grouped)):
                 self._form(grouped)
             calls.append(self.sender.send_staged.remote(self.generation))
         meta = WeightsMeta(meta.config, meta.layout, meta.buffers, self.generation, meta.gpu, meta.handles)
-        taken = {i: handle.receive_weights.remote(incarnation, model_id, version, meta, base_model)
-                 for i, (handle, incarnation) in replicas.items()}
+        taken = {i: replicas[i][0].receive_weights.remote(replicas[i][1], model_id, version, meta, base_model)
+                 for i in sorted(mapped | set(grouped))}
         ray.wait([*calls, *taken.values()], num_returns=len(calls) + len(taken),
                  timeout=GROUP_TIMEOUT_S + self.timeout_s)
-        failed = [i for i, ref in taken.items() if not _ok(ref)]
+        failed = {i for i, r in ready.items() if r is None} | {i for i, ref in taken.items() if not _ok(ref)}
         if not all(_ok(ref) for ref in calls):
-            failed = sorted(set(failed) | set(grouped))
+            failed |= set(grouped)
         if failed:
-            self.formed = {}  # formed again at the next sync that needs it
-            log.warning("weights group: replicas %s did not take %s v%d", failed, model_id, version)
-        return self.sender.staged_weights.remote(), failed
-
-    def _gpu(self, replica: ActorHandle, incarnation: str) -> str | None:
-        """The GPU a replica's engine is on (asked once per incarnation)."""
-        if incarnation not in self._gpus:
-            self._gpus[incarnation] = ray.get(replica.weights_gpu.remote(), timeout=self.timeout_s)
-        return self._gpus[incarnation]
+            self.formed = set()  # formed again at the next sync that needs it
+            log.warning("weights group: replicas %s did not take %s v%d", sorted(failed), model_id, version)
+        return self.sender.staged_weights.remote(), sorted(failed)
 
     def _form(self, replicas: dict[int, tuple[ActorHandle, str]]) -> None:
         self.generation += 1
@@ -63,9 +64,17 @@ class GroupSync:
         host, port = ray.get(self.sender.address.remote(), timeout=self.timeout_s)
         ray.get([m.weights_join.remote(host, port, rank, len(members), self.generation)
                  for rank, m in enumerate(members)], timeout=GROUP_TIMEOUT_S + self.timeout_s)
-        self.formed = {i: incarnation for i, (_, incarnation) in replicas.items()}
+        self.formed = set(replicas)
         log.info("weights group formed (formation %d): trainer rank 0 and replicas %s", self.generation,
                  sorted(replicas))
+
+
+def _value(ref: ray.ObjectRef, timeout_s: float) -> Any:
+    """The call's value; None where the member died or refused (Stale: restarted since it was synced)."""
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - any failure means the same: do not count it in this sync
+        return None
 
 
 def _ok(ref: ray.ObjectRef) -> bool:
