@@ -199,6 +199,44 @@ def test_a_replica_killed_just_before_a_sync_misses_the_broadcast_and_is_rebuilt
     same_samples(local.sample(requests(model, 3)), distributed.sample(requests(model, 3)), 3)
 
 
+def test_a_durable_checkpoint_of_the_ray_runtime_rebuilds_the_model_and_its_live_snapshots(runtimes):
+    """Durability holds on Ray as in process: rank 0 writes the model's whole state and the live snapshots' weights
+    (from the facade's record) to one archive; after the model is dropped, every rank reads it back and the replicas
+    serve each live version again, and training goes on as the in-process runtime's, bit for bit."""
+    local, distributed = runtimes
+    model = "durable:train:0"
+    for rt in runtimes:
+        create(rt, model)
+    for version in range(2):
+        for rt in runtimes:
+            step(rt, model, local.sample(requests(model, version)), version)
+    live, before = distributed.engine.live_versions(model), adapter(distributed, model)
+    checkpoint = distributed.checkpoint(model, "durable-1")
+    assert checkpoint is not None and checkpoint.applied == 2
+    distributed.restore(model, checkpoint)  # forgets the model first: everything below comes from the archive
+    assert distributed.engine.live_versions(model) == live and same_adapter(adapter(distributed, model), before)
+    for version in live:
+        same_samples(local.sample(requests(model, version)), distributed.sample(requests(model, version)), version)
+    fb_a, _ = step(local, model, local.sample(requests(model, 2)), 2)
+    fb_b, _ = step(distributed, model, local.sample(requests(model, 2)), 2)
+    assert fb_a == fb_b and same_adapter(adapter(local, model), adapter(distributed, model))
+
+
+def test_an_evicted_persisted_snapshot_is_read_back_and_served_by_every_replica(runtimes):
+    """A persisted sync (a name) that later syncs evicted is read back from its archive (rank 0 reads it) into the
+    record and every replica when a sample asks for it, and served as the in-process runtime serves it."""
+    local, distributed = runtimes
+    model = "persisted:train:0"
+    for rt in runtimes:
+        create(rt, model)
+        rt.execute(WeightSyncRequest(model_id=model, version=1, name="kept"))
+        for version in range(1, 4):  # max_snapshots=3: version 1 goes
+            step(rt, model, local.sample(requests(model, version)), version)
+    assert 1 not in distributed.engine.live_versions(model)
+    same_samples(local.sample(requests(model, 1)), distributed.sample(requests(model, 1)), 1)
+    assert 1 in distributed.engine.live_versions(model)
+
+
 def test_the_object_store_transport_serves_what_one_process_serves(runtimes):
     """The other transport (config.ray_weight_transport="object_store": syncs as copies through Ray's object store),
     on the same actors: the trainer's transport decides what its exports are."""

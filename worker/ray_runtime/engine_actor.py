@@ -88,6 +88,10 @@ class EngineReplica:
         else:
             self.engine.apply_weights(model_id, version, weights)
 
+    def restore_snapshot(self, expect: str | None, model_id: str, version: int, weights: Any) -> bool:
+        self._check(expect)
+        return self.engine.restore_snapshot(model_id, version, weights)
+
     def remove_model(self, expect: str | None, model_id: str) -> None:
         self._check(expect)
         self.engine.remove_model(model_id)

@@ -97,6 +97,18 @@ class RayEngine(Engine):
     def live_versions(self, model_id: str) -> list[int]:
         return self.record.versions(model_id)
 
+    def snapshot_weights(self, model_id: str, version: int) -> Any:
+        """From the record (what rebuilds a restarted replica holds every live snapshot's weights)."""
+        weights = self.record.weights(model_id, version)
+        return self._get(weights) if isinstance(weights, ray.ObjectRef) else weights
+
+    def restore_snapshot(self, model_id: str, version: int, weights: Any) -> bool:
+        self.record.restore(model_id, version, weights)
+        if all(self._everywhere("restore_snapshot", model_id, version, weights)):
+            return True
+        self.record.drop(model_id, version)  # the engines cannot (vLLM's merged weights)
+        return False
+
     def warm(self, base_model: str) -> None:
         """Every live replica starts the base's engine (a standby's preload); one restarted later starts it on first
         use."""
@@ -109,18 +121,20 @@ class RayEngine(Engine):
     def check_create(self, request: CreateModelRequest) -> None:
         unwrap(self._get(self._any().check_create.remote(request)))
 
-    def _everywhere(self, method: str, *args: Any) -> None:
-        """Call `method` on every live replica and wait for all; one that was restarted is rebuilt from the
-        record (which already holds this change) instead."""
+    def _everywhere(self, method: str, *args: Any) -> list[Any]:
+        """Call `method` on every live replica and wait for all; their answers. One that was restarted is rebuilt
+        from the record (which already holds this change) instead, and answers nothing."""
         self._heal()
         calls = {i: getattr(self.replicas[i], method).remote(self.synced[i], *args) for i in self._alive()}
+        answers = []
         for i, ref in calls.items():
             try:
-                self._get(ref)
+                answers.append(self._get(ref))
             except Exception as exc:  # noqa: BLE001 - sorted below
                 if not (is_stale(exc) or replica_lost(exc)):
                     raise
                 self._resync(i)
+        return answers
 
     # -- replicas coming back ---------------------------------------------------------------------
 

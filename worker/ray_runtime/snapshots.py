@@ -24,6 +24,17 @@ class SnapshotRecord:
         while len(live) > self.max_snapshots:
             live.popitem(last=False)
 
+    def restore(self, model_id: str, version: int, weights: Any) -> None:
+        """An evicted version served again (read back from its archive), evicting none: the next apply bounds
+        the count again, as the engines do."""
+        self._live[model_id][version] = weights
+
+    def drop(self, model_id: str, version: int) -> None:
+        self._live.get(model_id, {}).pop(version, None)
+
+    def weights(self, model_id: str, version: int) -> Any:
+        return self._live[model_id][version]
+
     def remove(self, model_id: str) -> None:
         self._bases.pop(model_id, None)
         self._live.pop(model_id, None)

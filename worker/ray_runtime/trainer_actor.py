@@ -38,6 +38,10 @@ def free_address() -> tuple[str, int]:
         return ray.util.get_node_ip_address(), s.getsockname()[1]
 
 
+def _host_copy(weights: LoraWeights) -> LoraWeights:
+    return LoraWeights(weights.config, {key: tensor.cpu() for key, tensor in weights.tensors.items()})
+
+
 def _on_host(leaf: Any) -> Any:
     return leaf.detach().cpu() if isinstance(leaf, torch.Tensor) else leaf
 
@@ -191,8 +195,7 @@ class TrainerRank:
 
     def export_weights(self, model_id: str):
         """The adapter's tensors on the host: returned into Ray's object store, where the engines read them."""
-        weights = self.trainer.export_weights(model_id)
-        return type(weights)(weights.config, {k: v.cpu() for k, v in weights.tensors.items()})
+        return _host_copy(self.trainer.export_weights(model_id))
 
     # -- the weights group (rank 0 only; weight_group.py) --
 
@@ -212,6 +215,23 @@ class TrainerRank:
     def staged_weights(self) -> LoraWeights:
         """The export just sent, on the host, for the facade's snapshot record (Ray's object store keeps it)."""
         return self.weights.unstage()
+
+    # -- durable state (rank 0 writes it, every rank reads it back) --
+
+    def save_durable(self, model_id: str, name: str, snapshots: dict[int, LoraWeights]):
+        return guarded(lambda: self.trainer.save_durable(model_id, name, snapshots))
+
+    def load_durable(self, model_id: str, path: str):
+        """Rebuild the model from the file; its base, and (rank 0's answer, on the host) the snapshots' weights."""
+        def load() -> tuple[str, dict[int, LoraWeights]]:
+            snapshots = self.trainer.load_durable(model_id, path)
+            base = self.trainer.base_model(model_id)
+            return base, {version: _host_copy(weights) for version, weights in snapshots.items()} if self.rank == 0 else {}
+
+        return guarded(load)
+
+    def read_sampler_weights(self, path: str):
+        return guarded(lambda: self.trainer.read_sampler_weights(path))
 
     def save_sampler_weights(self, model_id: str, name: str):
         return guarded(lambda: self.trainer.save_sampler_weights(model_id, name))

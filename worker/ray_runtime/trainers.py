@@ -222,6 +222,21 @@ class RayTrainer(Trainer):
     def check_custom_loss(self, loss: CustomLoss) -> None:
         self._on_rank0(lambda rank: rank.check_custom_loss.remote(loss))
 
+    # -- durable state: written by rank 0 (every rank holds the same), read back by every rank --
+
+    def save_durable(self, model_id: str, name: str, snapshots: dict[int, Any]) -> str:
+        return self._on_rank0(lambda rank: rank.save_durable.remote(model_id, name, snapshots))
+
+    def load_durable(self, model_id: str, path: str) -> dict[int, Any]:
+        outputs = self._on_ranks(lambda i, rank: rank.load_durable.remote(model_id, path), rerun=True)
+        _first_failure(outputs)
+        base, snapshots = outputs[0]
+        self._bases[model_id] = base
+        return snapshots
+
+    def read_sampler_weights(self, path: str) -> Any:
+        return self._on_rank0(lambda rank: rank.read_sampler_weights.remote(path))
+
 
 def _raising(values: list[Any]) -> list[Any]:
     """The answers, or the first exception among them raised here."""
