@@ -36,26 +36,36 @@ class GroupSync:
         asked = {i: handle.weights_ready.remote(incarnation) for i, (handle, incarnation) in replicas.items()}
         meta = ray.get(staged, timeout=self.timeout_s)
         ready = {i: _value(ref, self.timeout_s) for i, ref in asked.items()}  # (GPU, formation); None: not there
-        mapped = {i for i, r in ready.items() if r is not None and meta.gpu is not None and r[0] == meta.gpu}
-        grouped = {i: replicas[i] for i, r in ready.items() if r is not None and i not in mapped}
-        calls = []
-        if grouped:
-            if (meta.generation != self.generation or set(grouped) != self.formed
-                    or any(ready[i][1] != self.generation for i in grouped)):
-                self._form(grouped)
-            calls.append(self.sender.send_staged.remote(self.generation))
+        failed = {i for i, answer in ready.items() if answer is None}
+        mapped = {i for i in ready if i not in failed and meta.gpu is not None and ready[i][0] == meta.gpu}
+        grouped = {i: replicas[i] for i in ready if i not in failed and i not in mapped}
+        sent = self._send(meta, grouped, ready) if grouped else None
         meta = WeightsMeta(meta.config, meta.layout, meta.buffers, self.generation, meta.gpu, meta.handles)
+        targets = mapped | (set(grouped) if sent is not None else set())  # none waits on a broadcast never sent
         taken = {i: replicas[i][0].receive_weights.remote(replicas[i][1], model_id, version, meta, base_model)
-                 for i in sorted(mapped | set(grouped))}
-        ray.wait([*calls, *taken.values()], num_returns=len(calls) + len(taken),
-                 timeout=GROUP_TIMEOUT_S + self.timeout_s)
-        failed = {i for i, r in ready.items() if r is None} | {i for i, ref in taken.items() if not _ok(ref)}
-        if not all(_ok(ref) for ref in calls):
-            failed |= set(grouped)
+                 for i in sorted(targets)}
+        calls = [*taken.values(), *([sent] if sent is not None else [])]
+        ray.wait(calls, num_returns=len(calls), timeout=GROUP_TIMEOUT_S + self.timeout_s)
+        failed |= {i for i, ref in taken.items() if not _ok(ref)}
+        if grouped and (sent is None or not _ok(sent)):
+            failed |= set(grouped)  # the broadcast failed: whatever they hold, they are rebuilt
         if failed:
             self.formed = set()  # formed again at the next sync that needs it
             log.warning("weights group: replicas %s did not take %s v%d", sorted(failed), model_id, version)
         return self.sender.staged_weights.remote(), sorted(failed)
+
+    def _send(self, meta: WeightsMeta, grouped: dict[int, tuple[ActorHandle, str]],
+              ready: dict[int, tuple[str | None, int]]) -> ray.ObjectRef | None:
+        """Rank 0's broadcast to these replicas (the group formed again first where its members changed); None if
+        the group could not be formed (a member died meanwhile)."""
+        if (meta.generation != self.generation or set(grouped) != self.formed
+                or any(ready[i][1] != self.generation for i in grouped)):
+            try:
+                self._form(grouped)
+            except Exception:  # noqa: BLE001 - a member lost while joining: this sync leaves the group out
+                log.exception("weights group: forming it with replicas %s failed", sorted(grouped))
+                return None
+        return self.sender.send_staged.remote(self.generation)
 
     def _form(self, replicas: dict[int, tuple[ActorHandle, str]]) -> None:
         self.generation += 1
