@@ -222,6 +222,27 @@ def test_a_durable_checkpoint_of_the_ray_runtime_rebuilds_the_model_and_its_live
     assert fb_a == fb_b and same_adapter(adapter(local, model), adapter(distributed, model))
 
 
+def test_a_durable_checkpoint_is_copied_at_capture_and_written_while_training_goes_on(runtimes):
+    """As in process (durable_async): rank 0 copies the state aside when the checkpoint is captured, and writes it in
+    a thread of its own while the next step runs; the archive holds the captured state, not the step's."""
+    local, distributed = runtimes
+    model = "async:train:0"
+    create(distributed, model)
+    step(distributed, model, distributed.sample(requests(model, 0)), 0)
+    captured = adapter(distributed, model)
+    pending = distributed.capture(model)
+    assert pending is not None and pending.off_thread
+    written: dict = {}
+    writer = threading.Thread(target=lambda: written.update(made=pending.write("async-1")))
+    writer.start()
+    step(distributed, model, distributed.sample(requests(model, 1)), 1)  # meanwhile: the state moves on
+    writer.join(timeout=300)
+    assert not writer.is_alive() and written["made"] is not None
+    assert not same_adapter(adapter(distributed, model), captured)
+    distributed.restore(model, written["made"])
+    assert same_adapter(adapter(distributed, model), captured) and distributed.engine.live_versions(model) == [0, 1]
+
+
 def test_an_evicted_persisted_snapshot_is_read_back_and_served_by_every_replica(runtimes):
     """A persisted sync (a name) that later syncs evicted is read back from its archive (rank 0 reads it) into the
     record and every replica when a sample asks for it, and served as the in-process runtime serves it."""

@@ -11,7 +11,7 @@ from tinkerq.config import RuntimeConfig
 from worker.ray_runtime import cluster
 from worker.ray_runtime.engine_actor import EngineReplica
 from worker.ray_runtime.engines import RayEngine
-from worker.ray_runtime.trainer_actor import TrainerRank
+from worker.ray_runtime.trainer_actor import CONCURRENCY_GROUPS, TrainerRank
 from worker.ray_runtime.trainers import CALL_TIMEOUT_S, RayTrainer
 from worker.ray_runtime.weight_sync import GroupSync
 from worker.runtime.runtime import Runtime
@@ -34,7 +34,7 @@ def make_runtime(config: RuntimeConfig) -> Runtime:
                                                   max_restarts=config.ray_max_restarts, max_task_retries=0)
                 .remote(config) for i in range(engines)]
     # A rank Ray restarts rejoins a re-formed group and takes a survivor's models (trainers.RayTrainer._regroup).
-    trainers = [ray.remote(TrainerRank).options(**placement.options(i % bundles, share), name=f"trainer-{i}",
+    trainers = [ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(TrainerRank).options(**placement.options(i % bundles, share), name=f"trainer-{i}",
                                                 max_restarts=config.ray_max_restarts, max_task_retries=0)
                 .remote(config, i, ranks) for i in range(ranks)]
     host, port = ray.get(trainers[0].address.remote(), timeout=CALL_TIMEOUT_S)

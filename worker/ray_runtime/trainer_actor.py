@@ -12,6 +12,7 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
+import ray
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
@@ -31,8 +32,6 @@ ModelState = tuple[str, str, LoraConfig, list[torch.Tensor], list[torch.Tensor |
 
 def free_address() -> tuple[str, int]:
     """This host's address and a port free on it, for the group's rendezvous."""
-    import ray
-
     with socket.socket() as s:
         s.bind(("", 0))
         return ray.util.get_node_ip_address(), s.getsockname()[1]
@@ -44,6 +43,11 @@ def _host_copy(weights: LoraWeights) -> LoraWeights:
 
 def _on_host(leaf: Any) -> Any:
     return leaf.detach().cpu() if isinstance(leaf, torch.Tensor) else leaf
+
+
+# A durable checkpoint's write runs in a thread of its own ("io"), so the training calls that follow its copy are not
+# held up by the archive's compression and disk (assembly.py declares the group).
+CONCURRENCY_GROUPS = {"io": 1}
 
 
 class TrainerRank:
@@ -58,6 +62,7 @@ class TrainerRank:
         # per model: each micro-batch's gradients of a forward_backward not yet committed, in order
         self._pending: dict[str, list[list[torch.Tensor | None]]] = {}
         self.weights = GroupMember(self.trainer.bases.device)  # rank 0's place in the weights group (weight_group.py)
+        self._writers: dict[str, Any] = {}  # durable checkpoints copied aside, not yet written
 
     def micro_batch_tokens(self) -> int:
         """The budget its passes are cut at: the driver splits requests along the same micro-batches."""
@@ -220,6 +225,18 @@ class TrainerRank:
 
     def save_durable(self, model_id: str, name: str, snapshots: dict[int, LoraWeights]):
         return guarded(lambda: self.trainer.save_durable(model_id, name, snapshots))
+
+    def durable_copy(self, model_id: str, snapshots: dict[int, LoraWeights]) -> str:
+        """Copy aside (host memory) everything a durable checkpoint of the model writes, as it is now; a token for
+        `durable_write`."""
+        token = uuid.uuid4().hex
+        self._writers[token] = self.trainer.durable_writer(model_id, snapshots)
+        return token
+
+    @ray.method(concurrency_group="io")
+    def durable_write(self, token: str, name: str):
+        """Write the copy `durable_copy` made (beside the training calls, which go on meanwhile); its path."""
+        return guarded(lambda: self._writers.pop(token)(name))
 
     def load_durable(self, model_id: str, path: str):
         """Rebuild the model from the file; its base, and (rank 0's answer, on the host) the snapshots' weights."""

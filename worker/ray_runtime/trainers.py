@@ -227,6 +227,13 @@ class RayTrainer(Trainer):
     def save_durable(self, model_id: str, name: str, snapshots: dict[int, Any]) -> str:
         return self._on_rank0(lambda rank: rank.save_durable.remote(model_id, name, snapshots))
 
+    def durable_writer(self, model_id: str, snapshots: dict[int, Any]) -> Callable[[str], str]:
+        """Rank 0 copies the state aside now; the returned function has it written (on the checkpointer's side
+        thread here, in rank 0's "io" thread there) while training goes on."""
+        rank = self.ranks[0]
+        token = ray.get(rank.durable_copy.remote(model_id, snapshots), timeout=CALL_TIMEOUT_S)
+        return lambda name: unwrap(ray.get(rank.durable_write.remote(token, name), timeout=CALL_TIMEOUT_S))
+
     def load_durable(self, model_id: str, path: str) -> dict[int, Any]:
         outputs = self._on_ranks(lambda i, rank: rank.load_durable.remote(model_id, path), rerun=True)
         _first_failure(outputs)
