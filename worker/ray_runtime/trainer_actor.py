@@ -223,9 +223,6 @@ class TrainerRank:
 
     # -- durable state (rank 0 writes it, every rank reads it back) --
 
-    def save_durable(self, model_id: str, name: str, snapshots: dict[int, LoraWeights]):
-        return guarded(lambda: self.trainer.save_durable(model_id, name, snapshots))
-
     def durable_copy(self, model_id: str, snapshots: dict[int, LoraWeights]) -> str:
         """Copy aside (host memory) everything a durable checkpoint of the model writes, as it is now; a token for
         `durable_write`."""

@@ -44,8 +44,8 @@ CALL_TIMEOUT_S = 1800.0  # one training call; longer is an infrastructure fault 
 RESTART_TIMEOUT_S = 300.0  # how long a dead rank may take to come back
 # How a sync's weights reach the engine replicas (config.ray_weight_transport): "object_store", rank 0's export as a
 # task return value, kept once by Ray (in its shared-memory object store; one under 100 KiB travels inline in the
-# reply instead) and read by every replica; "group", broadcast over a gloo group of rank 0 and the replicas
-# (weight_group.py). No CUDA IPC or NCCL yet.
+# reply instead) and read by every replica; "group", by CUDA IPC to the replica on rank 0's GPU and over a gloo group
+# of rank 0 and the other replicas (weight_group.py, weight_sync.py). No NCCL yet.
 TRANSPORTS = ("object_store", "group")
 
 
@@ -225,7 +225,7 @@ class RayTrainer(Trainer):
     # -- durable state: written by rank 0 (every rank holds the same), read back by every rank --
 
     def save_durable(self, model_id: str, name: str, snapshots: dict[int, Any]) -> str:
-        return self._on_rank0(lambda rank: rank.save_durable.remote(model_id, name, snapshots))
+        return self.durable_writer(model_id, snapshots)(name)
 
     def durable_writer(self, model_id: str, snapshots: dict[int, Any]) -> Callable[[str], str]:
         """Rank 0 copies the state aside now; the returned function has it written (on the checkpointer's side
