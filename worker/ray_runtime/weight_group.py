@@ -13,6 +13,7 @@ still keeps a reference in the object store, to rebuild a replica Ray restarts: 
 sync, so it delays the trainer's next call, not the sync.
 """
 
+import logging
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -22,6 +23,8 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
 
 from worker.torch_runtime.lora_io import Layout, LoraWeights, _packed, _unpacked
+
+log = logging.getLogger(__name__)
 
 BUCKET_BYTES = 256 << 20
 # A broadcast waiting longer than this for a member has lost it (gloo notices a dead peer's closed socket at once;
@@ -92,11 +95,9 @@ class GroupMember:
     def stage(self, weights: LoraWeights) -> WeightsMeta:
         """Hold the export until `unstage`; what receivers need to take it."""
         buffers, layout = _packed(weights.tensors)
-        on_gpu = buffers[0].is_cuda if buffers else False
-        if on_gpu:
-            torch.cuda.current_stream(buffers[0].device).synchronize()  # written before another process reads them
+        handles = _ipc_handles(buffers)
         meta = WeightsMeta(weights.config, layout, tuple((b.dtype, b.numel()) for b in buffers), self.generation,
-                           self.gpu if on_gpu else None, tuple(reduce_tensor(b) for b in buffers) if on_gpu else ())
+                           self.gpu if handles else None, handles)
         self._staged = buffers, meta
         return meta
 
@@ -133,6 +134,19 @@ class GroupMember:
         torch.cuda.current_stream(buffers[0].device).synchronize()  # copied before the handles are let go
         del shared
         return _unpacked(meta.config, buffers, meta.layout)
+
+
+def _ipc_handles(buffers: list[torch.Tensor]) -> tuple:
+    """CUDA IPC handles of buffers on a GPU; none (the group's host path serves every replica) off a GPU or where
+    the process cannot share its memory."""
+    if not buffers or not buffers[0].is_cuda:
+        return ()
+    torch.cuda.current_stream(buffers[0].device).synchronize()  # written before another process reads them
+    try:
+        return tuple(reduce_tensor(buffer) for buffer in buffers)
+    except RuntimeError:
+        log.exception("CUDA IPC handles could not be made: syncs go through host memory")
+        return ()
 
 
 def buckets(buffer: torch.Tensor) -> list[torch.Tensor]:

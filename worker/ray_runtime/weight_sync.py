@@ -21,6 +21,7 @@ class GroupSync:
         self.sender, self.timeout_s = sender, timeout_s
         self.generation = 0
         self.formed: set[int] = set()  # the replicas in the current formation
+        self.unmapped: set[str] = set()  # replica incarnations whose CUDA IPC read failed: they take the broadcast
 
     def deliver(self, model_id: str, version: int, replicas: dict[int, tuple[ActorHandle, str]],
                 base_model: str | None) -> tuple[ray.ObjectRef, list[int]]:
@@ -37,7 +38,8 @@ class GroupSync:
         meta = ray.get(staged, timeout=self.timeout_s)
         ready = {i: _value(ref, self.timeout_s) for i, ref in asked.items()}  # (GPU, formation); None: not there
         failed = {i for i, answer in ready.items() if answer is None}
-        mapped = {i for i in ready if i not in failed and meta.gpu is not None and ready[i][0] == meta.gpu}
+        mapped = {i for i in ready if i not in failed and meta.gpu is not None and ready[i][0] == meta.gpu
+                  and replicas[i][1] not in self.unmapped}
         grouped = {i: replicas[i] for i in ready if i not in failed and i not in mapped}
         sent = self._send(meta, grouped, ready) if grouped else None
         meta = WeightsMeta(meta.config, meta.layout, meta.buffers, self.generation, meta.gpu, meta.handles)
@@ -46,7 +48,9 @@ class GroupSync:
                  for i in sorted(targets)}
         calls = [*taken.values(), *([sent] if sent is not None else [])]
         ray.wait(calls, num_returns=len(calls), timeout=GROUP_TIMEOUT_S + self.timeout_s)
-        failed |= {i for i, ref in taken.items() if not _ok(ref)}
+        lost = {i for i, ref in taken.items() if not _ok(ref)}
+        self.unmapped |= {replicas[i][1] for i in lost & mapped}  # never again by IPC, this incarnation
+        failed |= lost
         if grouped and (sent is None or not _ok(sent)):
             failed |= set(grouped)  # the broadcast failed: whatever they hold, they are rebuilt
         if failed:
