@@ -209,19 +209,18 @@ class Producer:
         """Everything each decision needs, for all items in one round trip (WATCH already covers it). The script
         goes by its sha alone (redis-py's pipeline asks SCRIPT EXISTS first: a round trip more per submit), and is
         loaded again where Redis lost it (a restart, SCRIPT FLUSH)."""
-        script = self._read_state
-        for attempt in range(2):
-            with self.connection.pipeline(transaction=False) as reads:
-                for item in items:
-                    reads.evalsha(script.sha, 4, item.record, item.claim, self._queues[item.shard].key, item.wver,
-                                  item.rid, keys.request_key(""))
-                try:
-                    return reads.execute()
-                except NoScriptError:
-                    if attempt:
-                        raise
-                    script.sha = self.connection.script_load(script.script)
-        raise AssertionError("unreachable")
+        try:
+            return self._run_reads(items)
+        except NoScriptError:
+            self._read_state.sha = self.connection.script_load(self._read_state.script)
+            return self._run_reads(items)
+
+    def _run_reads(self, items: list[_Item]) -> list[list]:
+        with self.connection.pipeline(transaction=False) as reads:
+            for item in items:
+                reads.evalsha(self._read_state.sha, 4, item.record, item.claim, self._queues[item.shard].key,
+                              item.wver, item.rid, keys.request_key(""))
+            return reads.execute()
 
     def _submit_batch(self, pipe, items: list[_Item | Rejected], atomic: bool) -> list[Ticket | Rejected]:
         live = [item for item in items if isinstance(item, _Item)]

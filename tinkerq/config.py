@@ -7,6 +7,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas import Limits
 
+# How the Ray runtime's syncs reach its engine replicas (RuntimeConfig.ray_weight_transport).
+WeightTransport = Literal["group", "object_store"]
+
 
 class QueueConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TINKERQ_", frozen=True)
@@ -127,7 +130,7 @@ class RuntimeConfig(BaseSettings):
     ray_num_cpus: int = Field(0, ge=0, description="CPUs of a local Ray cluster; 0: the host's (at least the bundles)")
     # How a sync reaches the engine replicas: "group", broadcast from trainer rank 0 over a gloo group of their own
     # (worker/ray_runtime/weight_group.py); "object_store", a copy through Ray's object store that each replica reads.
-    ray_weight_transport: Literal["group", "object_store"] = "group"
+    ray_weight_transport: WeightTransport = "group"
     # Test aid for the reference engine: simulated generation time per token.
     reference_delay_per_token_s: float = Field(0.0, ge=0.0)
 

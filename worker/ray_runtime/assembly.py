@@ -34,8 +34,9 @@ def make_runtime(config: RuntimeConfig) -> Runtime:
                                                   max_restarts=config.ray_max_restarts, max_task_retries=0)
                 .remote(config) for i in range(engines)]
     # A rank Ray restarts rejoins a re-formed group and takes a survivor's models (trainers.RayTrainer._regroup).
-    trainers = [ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(TrainerRank).options(**placement.options(i % bundles, share), name=f"trainer-{i}",
-                                                max_restarts=config.ray_max_restarts, max_task_retries=0)
+    rank_actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(TrainerRank)
+    trainers = [rank_actor.options(**placement.options(i % bundles, share), name=f"trainer-{i}",
+                                   max_restarts=config.ray_max_restarts, max_task_retries=0)
                 .remote(config, i, ranks) for i in range(ranks)]
     host, port = ray.get(trainers[0].address.remote(), timeout=CALL_TIMEOUT_S)
     ray.get([t.join.remote(host, port) for t in trainers], timeout=CALL_TIMEOUT_S)

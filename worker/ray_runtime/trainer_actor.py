@@ -239,8 +239,9 @@ class TrainerRank:
         """Rebuild the model from the file; its base, and (rank 0's answer, on the host) the snapshots' weights."""
         def load() -> tuple[str, dict[int, LoraWeights]]:
             snapshots = self.trainer.load_durable(model_id, path)
-            base = self.trainer.base_model(model_id)
-            return base, {version: _host_copy(weights) for version, weights in snapshots.items()} if self.rank == 0 else {}
+            if self.rank != 0:
+                snapshots = {}  # the caller takes rank 0's: the others would cross the boundary for nothing
+            return self.trainer.base_model(model_id), {version: _host_copy(w) for version, w in snapshots.items()}
 
         return guarded(load)
 

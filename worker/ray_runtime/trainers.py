@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import ray
 from ray.actor import ActorHandle
@@ -34,6 +34,7 @@ from schemas import (
     OptimStepOutput,
     OptimStepRequest,
 )
+from tinkerq.config import WeightTransport
 from worker.ray_runtime.boundary import Failed, unwrap
 from worker.ray_runtime.data_parallel import assignment, merged, part
 from worker.ray_runtime.weight_group import OnTrainer
@@ -46,7 +47,7 @@ RESTART_TIMEOUT_S = 300.0  # how long a dead rank may take to come back
 # task return value, kept once by Ray (in its shared-memory object store; one under 100 KiB travels inline in the
 # reply instead) and read by every replica; "group", by CUDA IPC to the replica on rank 0's GPU and over a gloo group
 # of rank 0 and the other replicas (weight_group.py, weight_sync.py). No NCCL yet.
-TRANSPORTS = ("object_store", "group")
+TRANSPORTS: tuple[str, ...] = get_args(WeightTransport)
 
 
 def _all(refs: list[ray.ObjectRef]) -> list[Any]:
@@ -63,7 +64,8 @@ class RanksLost(RuntimeError):
 
 
 class RayTrainer(Trainer):
-    def __init__(self, ranks: list[ActorHandle], checkpoint_root: Path, transport: str = "object_store") -> None:
+    def __init__(self, ranks: list[ActorHandle], checkpoint_root: Path,
+                 transport: WeightTransport = "object_store") -> None:
         self.ranks = ranks
         self.transport = transport
         self.root = checkpoint_root.resolve()

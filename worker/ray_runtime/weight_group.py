@@ -70,6 +70,7 @@ class GroupMember:
         self._store: Any = None
         self.generation = 0
         self._staged: tuple[list[torch.Tensor], WeightsMeta] | None = None
+        self._on_host: list[torch.Tensor] | None = None  # the staged buffers' host copy, once made
 
     def join(self, host: str, port: int, rank: int, world: int, generation: int) -> None:
         """Every member calls this at once; it returns when all have (rank 0 hosts the rendezvous store)."""
@@ -98,20 +99,27 @@ class GroupMember:
         handles = _ipc_handles(buffers)
         meta = WeightsMeta(weights.config, layout, tuple((b.dtype, b.numel()) for b in buffers), self.generation,
                            self.gpu if handles else None, handles)
-        self._staged = buffers, meta
+        self._staged, self._on_host = (buffers, meta), None
         return meta
 
     def send(self, generation: int) -> None:
-        """Broadcast the staged export (from a host copy: gloo's is host memory) in formation `generation`."""
+        """Broadcast the staged export (from its host copy: gloo's is host memory) in formation `generation`."""
         if generation != self.generation:
             raise RuntimeError(f"asked to send in formation {generation}; this member is in {self.generation}")
-        self.broadcast([buffer.cpu() for buffer in self._staged[0]])
+        self.broadcast(self._host_buffers())
 
     def unstage(self) -> LoraWeights:
         """The export last staged, on the host (for the facade's record), no longer held here."""
-        buffers, meta = self._staged
-        self._staged = None
-        return _unpacked(meta.config, [buffer.cpu() for buffer in buffers], meta.layout)
+        meta, buffers = self._staged[1], self._host_buffers()
+        self._staged, self._on_host = None, None
+        return _unpacked(meta.config, buffers, meta.layout)
+
+    def _host_buffers(self) -> list[torch.Tensor]:
+        """The staged buffers in host memory, copied once for the broadcast and the record alike (no copy on the
+        CPU)."""
+        if self._on_host is None:
+            self._on_host = [buffer.cpu() for buffer in self._staged[0]]
+        return self._on_host
 
     # -- a receiver --
 
