@@ -87,8 +87,9 @@ def create_request(args) -> CreateModelRequest:
                               lora=LoraConfig(rank=args.rank, seed=0, train_unembed=args.train_unembed))
 
 
-def settings(args) -> dict[str, str]:
-    """The runtime's settings, for RuntimeConfig in the baseline and as TINKERQ_* for the worker."""
+def settings(args, runtime: str = "torch") -> dict[str, str]:
+    """The runtime's settings, for RuntimeConfig in the baseline and as TINKERQ_* for the worker. `runtime` "ray":
+    the Ray runtime on one bundle of the local GPU (an engine replica and a trainer rank as actors sharing it)."""
     out = {"runtime": "torch", "engine": "vllm", "vllm_sync": args.vllm_sync, "device": args.device,
            "dtype": args.dtype, "vllm_gpu_memory_utilization": args.gpu_memory_utilization,
            "vllm_max_lora_rank": str(args.rank), "vllm_sleep_during_training": str(args.sleep).lower(),
@@ -96,6 +97,8 @@ def settings(args) -> dict[str, str]:
            "train_micro_batch_tokens": str(args.micro_batch_tokens)}
     if args.eager is not None:
         out["vllm_enforce_eager"] = str(args.eager).lower()
+    if runtime == "ray":
+        out["ray_gpus"] = "1"
     return out
 
 
@@ -222,10 +225,10 @@ def run_baseline(args, tmp: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def child_env(args, tmp: Path) -> dict[str, str]:
+def child_env(args, tmp: Path, runtime: str = "torch") -> dict[str, str]:
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1",
-            **{f"TINKERQ_{k.upper()}": v for k, v in settings(args).items()},
+            **{f"TINKERQ_{k.upper()}": v for k, v in settings(args, runtime).items()},
             "TINKERQ_NUM_SHARDS": "1", "TINKERQ_CHECKPOINT_ROOT": str(tmp / "ckpt"),
             "TINKERQ_MAX_BATCH_REQUESTS": str(max(256, args.prompts))}
 
@@ -235,10 +238,10 @@ def child_env(args, tmp: Path) -> dict[str, str]:
 class Queue:
     """A `tinkerq worker` process and a Producer, and waits that fail fast with the worker's log if it dies."""
 
-    def __init__(self, args, url: str, tmp: Path) -> None:
-        self.log = tmp / "worker.log"
+    def __init__(self, args, url: str, tmp: Path, runtime: str = "torch") -> None:
+        self.log = tmp / f"worker-{runtime}.log"
         self.worker = subprocess.Popen([sys.executable, "-m", "commands.cli", "worker", "--redis-url", url,
-                                        "--log-level", "INFO"], env=child_env(args, tmp), cwd=ROOT,
+                                        "--log-level", "INFO"], env=child_env(args, tmp, runtime), cwd=ROOT,
                                        stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
         self.producer = Producer(Redis.from_url(url), QueueConfig(num_shards=1))
 
@@ -338,10 +341,11 @@ def summarize(rows: list[dict], base: dict) -> dict:
             "all_served_right_version": all(r["right_version"] for r in rows)}
 
 
-def print_table(args, summary: dict) -> None:
+def print_table(args, summary: dict, runtime: str = "torch") -> None:
     total = summary["total_ms"]
-    print(f"\nRL step through the queue: {args.model}, {args.prompts} prompts x {args.num_samples} x {args.max_tokens} "
-          f"tokens, {args.loss}, LoRA rank {args.rank}, {args.vllm_sync} sync{', sleep mode' if args.sleep else ''} "
+    print(f"\nRL step through the queue ({runtime} runtime): {args.model}, {args.prompts} prompts x "
+          f"{args.num_samples} x {args.max_tokens} tokens, {args.loss}, LoRA rank {args.rank}, {args.vllm_sync} sync"
+          f"{', sleep mode' if args.sleep else ''} "
           f"(median of {args.steps} steps after {args.warmup} warm-up)")
     print(f"{'phase':<18}{'ms':>10}{'share':>9}")
     for phase, ms in summary["phase_ms"].items():
@@ -416,10 +420,15 @@ def main() -> None:
     parser.add_argument("--resample", action="store_true",
                         help="sample the batch a second time right after the first, untimed in the step: tells a "
                              "slowdown that follows training from one of the worker process itself")
+    parser.add_argument("--runtimes", type=lambda v: v.split(","), default=["torch"],
+                        help="the workers to run the steps through, one after the other: torch (in process), ray "
+                             "(the Ray runtime on one GPU bundle), or torch,ray to compare them")
     parser.add_argument("--tag", default="")
     parser.add_argument("--out", help="JSON path (default bench/results/gpu_rl_step[-TAG].json)")
     parser.add_argument("--baseline-json", help=argparse.SUPPRESS)  # the child process of part 1
     args = parser.parse_args()
+    if not args.runtimes or set(args.runtimes) - {"torch", "ray"}:
+        parser.error(f"--runtimes: torch, ray or torch,ray; not {','.join(args.runtimes)}")
     for key, value in DEFAULTS["cpu" if args.device == "cpu" else "cuda"].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -437,37 +446,57 @@ def main() -> None:
           f"{base['tokens_per_s']['engine_in_process']:.0f} tok/s", flush=True)
     for plan in base["memory_plans"].values():
         print(f"baseline {plan['line']}")
+    runs = {}
     with ExitStack() as stack:
         url = os.environ.get("REDIS_URL") or stack.enter_context(EmbeddedRedis()).url
-        Redis.from_url(url).flushdb()
-        queue = Queue(args, url, tmp)
-        try:
-            rows = rl_steps(args, queue)
-        finally:
-            queue.close()
-        worker_lines = queue.log_lines()
-    summary = summarize(rows, base)
-    print_table(args, summary)
-    for line in worker_lines:
-        if "memory share" in line:
-            print(f"worker: {line}")
+        for runtime in args.runtimes:  # one after the other, each worker alone on the GPU
+            Redis.from_url(url).flushdb()
+            print(f"-- through the queue, the {runtime} runtime's worker", flush=True)
+            queue = Queue(args, url, tmp, runtime)
+            try:
+                rows = rl_steps(args, queue)
+            finally:
+                queue.close()
+            runs[runtime] = {"summary": summarize(rows, base), "steps": rows, "worker_log": queue.log_lines(),
+                             "worker_settings": settings(args, runtime)}
+    for runtime, run in runs.items():
+        print_table(args, run["summary"], runtime)
+        for line in run["worker_log"]:
+            if "memory share" in line:
+                print(f"worker: {line}")
+    comparison = ray_comparison(runs)
     name = "gpu_rl_step" + (f"-{args.tag}" if args.tag else "")
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    first = runs[args.runtimes[0]]
     report = {"machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, Python "
                          f"{platform.python_version()}",
               "workload": {k: v for k, v in vars(args).items() if k not in ("baseline_json", "out")},
-              "worker_settings": settings(args),
               "baseline_where": "raw vLLM LLM.generate and our engine, in a child process run to completion before "
                                 "the worker starts, on the runtime built from the worker's settings",
-              "baseline": base, "summary": summary, "steps": rows, "worker_log": worker_lines}
+              "baseline": base, **first, "runtimes": runs, "ray_comparison": comparison}
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
     title = (f"{args.model} {args.device}: {args.prompts}x{args.num_samples}x{args.max_tokens} tokens, {args.loss}, "
              f"rank {args.rank}, {args.vllm_sync}{', sleep mode' if args.sleep else ''}")
-    plot(rows, summary, title, out.with_suffix(".png"))
-    sys.exit(0 if summary["all_served_right_version"] else 1)
+    for runtime, run in runs.items():
+        suffix = "" if runtime == args.runtimes[0] else f"-{runtime}"
+        plot(run["steps"], run["summary"], f"{title} ({runtime} runtime)",
+             out.with_name(out.stem + suffix + ".png"))
+    sys.exit(0 if all(run["summary"]["all_served_right_version"] for run in runs.values()) else 1)
 
+
+def ray_comparison(runs: dict) -> dict | None:
+    """The Ray worker's step against the in-process worker's (issue 15 item 5: ratio <= 1.1), where both ran."""
+    if not {"torch", "ray"} <= set(runs):
+        return None
+    torch_run, ray_run = runs["torch"]["summary"], runs["ray"]["summary"]
+    ratio = ray_run["total_ms"] / torch_run["total_ms"]
+    phases = {p: ray_run["phase_ms"][p] / torch_run["phase_ms"][p] for p in PHASES if torch_run["phase_ms"][p] > 0}
+    print(f"\nRay worker / in-process worker, median step: {ray_run['total_ms']:.0f} / {torch_run['total_ms']:.0f} ms "
+          f"= {ratio:.3f} (goal <= 1.1: {'met' if ratio <= 1.1 else 'NOT met'}); by phase: "
+          + ", ".join(f"{p} {r:.2f}" for p, r in phases.items()))
+    return {"step_ratio": ratio, "phase_ratios": phases}
 
 if __name__ == "__main__":
     main()

@@ -3,7 +3,8 @@
 # torch 2.11), the dependencies it imports that the host lacks, ours (rq, redis-py, pydantic-settings), and
 # Debian's redis-server with the libraries the host's image lacks; one tar split into 60 MiB chunks, one
 # folder per device command (.devcarry/p00 holds the checksums). ../shared/reference/vllm-on-h200.md says why.
-# Run here, where PyPI and Debian's packages are reachable.
+# Run here, where PyPI and Debian's packages are reachable. RAY=1 adds Ray and the dependencies the host lacks, for
+# the Ray runtime's worker (gpu_rl_step.py --runtimes torch,ray): one or two chunks more.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_SET="vllm==0.26.0 pydantic==2.14.4 pydantic-core==2.50.5 typing-inspection==0.4.5 annotated-types==0.8.0
@@ -12,6 +13,7 @@ httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0 sniffio==1.3.1
 apache-tvm-ffi==0.1.10 fastapi==0.136.3 starlette==1.10.0 partial-json-parser==0.2.1.1.post7 blake3==1.0.11
 setproctitle==1.3.8 depyf==0.20.0 astor==0.8.1 dill==0.4.1 liger-kernel==0.8.5"
 OURS="rq redis croniter pydantic-settings python-dotenv"
+[ "${RAY:-0}" = 1 ] && OURS="$OURS ray jsonschema jsonschema-specifications referencing rpds-py"
 pins=()
 for pkg in $OURS; do
   pins+=("$pkg==$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('$pkg'))")")
