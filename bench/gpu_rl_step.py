@@ -455,6 +455,11 @@ def main() -> None:
             queue = Queue(args, url, tmp, runtime)
             try:
                 rows = rl_steps(args, queue)
+            except (RuntimeError, TimeoutError) as exc:
+                if not runs:
+                    raise
+                print(f"the {runtime} runtime's run failed; the report keeps the runs before it:\n{exc}", flush=True)
+                continue
             finally:
                 queue.close()
             runs[runtime] = {"summary": summarize(rows, base), "steps": rows, "worker_log": queue.log_lines(),
