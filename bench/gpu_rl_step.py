@@ -98,7 +98,7 @@ def settings(args, runtime: str = "torch") -> dict[str, str]:
     if args.eager is not None:
         out["vllm_enforce_eager"] = str(args.eager).lower()
     if runtime == "ray":
-        out["ray_gpus"] = "1"
+        out.update(runtime="ray", ray_gpus="1")
     return out
 
 

@@ -66,3 +66,33 @@ def test_a_worker_serves_a_real_model_unless_the_stand_in_is_asked_for(monkeypat
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
     with pytest.raises(RuntimeError, match="--runtime reference"):
         runtime_name(RuntimeConfig())
+
+
+def test_asking_for_gpus_on_ray_picks_the_ray_runtime_and_an_in_process_runtime_beside_it_is_refused():
+    assert runtime_name(RuntimeConfig(ray_gpus=2)) == "ray"
+    assert runtime_name(RuntimeConfig(runtime="ray", ray_address="auto")) == "ray"
+    # TINKERQ_RUNTIME=torch with TINKERQ_RAY_GPUS=1 once ran the in-process worker without a word (gpu_rl_step)
+    for runtime in ("torch", "reference"):
+        with pytest.raises(ValueError, match="ask for the Ray runtime"):
+            runtime_name(RuntimeConfig(runtime=runtime, ray_gpus=1))
+
+
+def test_a_local_model_built_on_a_distributed_rank_other_than_0_is_whole(tmp_path, monkeypatch):
+    """transformers 5 saves a checkpoint only on torch.distributed's rank 0; the Ray runtime's trainer rank 1 may be
+    the first process to need a model. Its build must still hold the config and weights, and a cache an earlier
+    build left marked done without them is built again rather than served."""
+    import torch.distributed as dist
+    from transformers import AutoConfig
+
+    from tinkerq import local_models
+
+    monkeypatch.setattr(local_models, "CACHE", tmp_path)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # this process is rank 1 of a group, to transformers
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    built = resolve("tinyq-tied")
+    assert AutoConfig.from_pretrained(built).tie_word_embeddings and list(built.glob("*.safetensors"))
+
+    for f in [built / "config.json", *built.glob("*.safetensors")]:  # what the earlier build left
+        f.unlink()
+    assert local_models.cached_dir("tinyq-tied") is None
+    assert (resolve("tinyq-tied") / "config.json").exists()

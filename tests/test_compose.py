@@ -11,7 +11,8 @@ import typer.main
 import yaml
 
 from commands.cli import app
-from worker.runtimes import RUNTIMES
+from tinkerq.config import RuntimeConfig
+from worker.runtimes import RUNTIMES, runtime_name
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -150,7 +151,10 @@ def test_ray_worker_joins_the_head_as_a_node_then_runs_the_worker_on_it():
     assert command == "worker"
     # Ray Client (ray://) cannot carry streaming actor calls; "auto" is the node the script just started
     assert params["ray_address"] == "auto"
-    assert params["runtime"] in RUNTIMES and params["shards"] == "auto"
+    assert params["shards"] == "auto"
+    # the runtime those settings pick is the Ray runtime (with --runtime torch it once ran in process on one GPU)
+    chosen = RuntimeConfig(runtime=params["runtime"], ray_gpus=params["gpus"], ray_address=params["ray_address"])
+    assert runtime_name(chosen) == "ray"
     assert SERVICES["worker-ray"]["depends_on"]["ray-head"]
 
 

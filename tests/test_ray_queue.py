@@ -264,8 +264,9 @@ def test_an_engine_replica_killed_mid_batch_is_restarted_and_resynced(connection
     # What the restarted replica serves as version 2 is the trainer's current (version 2) adapter.
     probe = SampleRequest(model_id=model, prompt_tokens=PROMPTS[0], weights_version=2,
                           sampling_params=SamplingParams(max_tokens=8, seed=11, stop=[]))
-    served = dict(ray.get(list(replica.serve.options(num_returns="streaming").remote(again, [("p", probe)])),
-                          timeout=WAIT_S))["p"]
+    chunks = ray.get(list(replica.serve.options(num_returns="streaming").remote(again, [("p", probe)])),
+                     timeout=WAIT_S)
+    served = dict(pair for chunk in chunks for pair in chunk)["p"]
     assert isinstance(served, SampleOutput) and served.weights_version == 2, served
     tokens = served.sequences[0].tokens
     full = PROMPTS[0] + tokens

@@ -117,14 +117,19 @@ def resolve(name_or_path: str) -> Path:
 def cached_dir(name: str) -> Path | None:
     """The built directory of a local model name, if it exists (never builds)."""
     target = CACHE / f"{name}-v{FORMAT_VERSION}"
-    return target if (target / "done").exists() else None
+    return target if (target / "done").exists() and _complete(target) else None
+
+
+def _complete(model_dir: Path) -> bool:
+    """config.json and weights: a directory marked done without them (an earlier build on a rank > 0) is built again."""
+    return (model_dir / "config.json").exists() and any(model_dir.glob("*.safetensors"))
 
 
 def _build_locked(name: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # several workers may start at once
-        if (target / "done").exists():
+        if cached_dir(name) is not None:
             return
         tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -169,8 +174,17 @@ def build(name: str, shape: Shape, out: Path, seed: int = 0) -> None:
             for param in model.parameters():
                 if param.dim() > 1:
                     param.normal_(0.0, 0.2 if param.shape[-1] == shape.hidden else 0.05)
-    model.to(getattr(torch, shape.save_dtype)).save_pretrained(out, safe_serialization=True)
+    save_model(model.to(getattr(torch, shape.save_dtype)), out)
     (out / "tinkerq.json").write_text(json.dumps({"name": name, "seed": seed, "format": FORMAT_VERSION}))
+
+
+def save_model(model, out: Path) -> None:  # noqa: ANN001 - a transformers PreTrainedModel
+    """save_pretrained, on whichever torch.distributed rank this process is: transformers 5 writes a checkpoint only
+    on rank 0, silently, and the first process to need a model may be trainer rank 1 of the Ray runtime."""
+    model.should_save_on_this_rank = lambda is_main_process: True
+    model.save_pretrained(out, safe_serialization=True)
+    if not _complete(out):
+        raise RuntimeError(f"save_pretrained left {out} without config.json or weights")
 
 
 def convert_packaged(model: Packaged, out: Path) -> None:
@@ -204,5 +218,5 @@ def convert_packaged(model: Packaged, out: Path) -> None:
         plain.load_state_dict(loaded.state_dict())
         out.mkdir(parents=True)
         tokenizer.save_pretrained(out)
-        plain.save_pretrained(out, safe_serialization=True)
+        save_model(plain, out)
         (out / "tinkerq.json").write_text(json.dumps({"name": str(wheel.name), "format": FORMAT_VERSION}))

@@ -10,6 +10,9 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 log = logging.getLogger(__name__)
+# the worker's log level, for its actors: their INFO lines (vLLM's engine runs, memory plans) reach the worker's log
+# through Ray's log_to_driver
+ACTOR_LOG_LEVEL_ENV = "TINKERQ_RAY_ACTOR_LOG_LEVEL"
 READY_TIMEOUT_S = 300.0  # a placement group that cannot be placed by then is an error, not a hang
 SHUTDOWN_TIMEOUT_S = 30.0
 
@@ -28,6 +31,7 @@ def connect(address: str | None, cpus: int | None = None, namespace: str = "") -
         return False
     namespace = namespace or f"tinkerq-{socket.gethostname()}-{os.getpid()}"
     env = {k: v for k, v in os.environ.items() if k.startswith("TINKERQ_") or k in ("PYTHONPATH", "HF_HOME")}
+    env.setdefault(ACTOR_LOG_LEVEL_ENV, logging.getLevelName(logging.getLogger().getEffectiveLevel()))
     runtime_env = {"env_vars": env}
     if address:
         ray.init(address=address, namespace=namespace, runtime_env=runtime_env, log_to_driver=True)
@@ -35,6 +39,12 @@ def connect(address: str | None, cpus: int | None = None, namespace: str = "") -
         ray.init(num_cpus=cpus, namespace=namespace, include_dashboard=False, runtime_env=runtime_env,
                  log_to_driver=True)
     return True
+
+
+def configure_actor_logging() -> None:
+    """In an actor's process: log at the worker's level (Ray prefixes each line with the actor's name and pid)."""
+    logging.basicConfig(level=os.environ.get(ACTOR_LOG_LEVEL_ENV, "WARNING"),
+                        format="%(levelname)s %(name)s: %(message)s")
 
 
 def disconnect() -> None:

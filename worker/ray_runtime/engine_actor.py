@@ -15,6 +15,7 @@ import ray
 
 from schemas import CreateModelRequest, ErrorResponse, SampleOutput
 from tinkerq.config import RuntimeConfig
+from worker.ray_runtime import cluster
 from worker.ray_runtime.boundary import Failed, Stale, guarded
 from worker.ray_runtime.weight_group import GroupMember, WeightsMeta
 from worker.runtime.base import Keyed
@@ -26,6 +27,7 @@ _END = object()
 
 class EngineReplica:
     def __init__(self, config: RuntimeConfig) -> None:
+        cluster.configure_actor_logging()
         from worker.torch_runtime.assembly import make_engine, set_threads
         from worker.torch_runtime.base_models import BaseModels
 
@@ -105,9 +107,10 @@ class EngineReplica:
     def check_create(self, request: CreateModelRequest) -> Failed | None:
         return guarded(lambda: self.engine.check_create(request))
 
-    def serve(self, expect: str | None, items: Keyed) -> Iterator[tuple[str, SampleOutput | ErrorResponse]]:
-        """(key, result) for each item, as soon as it is ready (a Ray streaming generator). The engine runs on
-        a thread of its own, so that its continuous batching hands results out while it still decodes."""
+    def serve(self, expect: str | None, items: Keyed) -> Iterator[list[tuple[str, SampleOutput | ErrorResponse]]]:
+        """(key, result) for each item, as soon as it is ready (a Ray streaming generator; those ready together in
+        one list). The engine runs on a thread of its own, so that its continuous batching hands results out while
+        it still decodes."""
         self._check(expect)
         results: queue.Queue = queue.Queue()
 
@@ -120,10 +123,21 @@ class EngineReplica:
 
         thread = threading.Thread(target=run, daemon=True)
         thread.start()
-        while (item := results.get()) is not _END:
+        item = None
+        while item is not _END:
+            # everything ready by now in one yield: each costs the caller a round trip through Ray (~1 ms)
+            ready, item = [], results.get()
+            while item is not _END and not isinstance(item, BaseException):
+                ready.append(item)
+                try:
+                    item = results.get_nowait()
+                except queue.Empty:
+                    item = None
+                    break
+            if ready:
+                yield ready
             if isinstance(item, BaseException):
                 raise item
-            yield item
         thread.join()
 
 

@@ -222,7 +222,7 @@ class RayEngine(Engine):
             for stream in ready:
                 i, unfinished = running[stream]
                 try:
-                    key, result = ray.get(next(stream))
+                    results = ray.get(next(stream))
                 except StopIteration:
                     running.pop(stream)
                     for key in unfinished:  # a replica that ends without answering is a fault, not silence
@@ -231,8 +231,9 @@ class RayEngine(Engine):
                 except Exception as exc:  # noqa: BLE001 - sorted in failed()
                     failed(stream, exc)
                     continue
-                load[i] -= cost(unfinished.pop(key))
-                done(key, result)
+                for key, result in results:
+                    load[i] -= cost(unfinished.pop(key))
+                    done(key, result)
             if admit:
                 more = admit(lambda request: True)
                 if more:

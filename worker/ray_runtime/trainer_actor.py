@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 
 from schemas import CreateModelRequest, CustomLoss, ForwardRequest, LoadStateRequest, LoraConfig, OptimStepRequest
 from tinkerq.config import RuntimeConfig
+from worker.ray_runtime import cluster
 from worker.ray_runtime.boundary import Failed, guarded
 from worker.ray_runtime.weight_group import GroupMember, WeightsMeta
 from worker.torch_runtime.lora_io import LoraWeights
@@ -52,6 +53,7 @@ CONCURRENCY_GROUPS = {"io": 1}
 
 class TrainerRank:
     def __init__(self, config: RuntimeConfig, rank: int, world: int) -> None:
+        cluster.configure_actor_logging()
         from worker.torch_runtime.assembly import make_trainer, set_threads
         from worker.torch_runtime.base_models import BaseModels
 
@@ -166,7 +168,8 @@ class TrainerRank:
         full-weight training would want a fixed-order reduce-scatter instead."""
         params = self._params(model_id)
         mine = self._pending.pop(model_id, [])
-        has = torch.tensor([any(g[k] is not None for g in mine) for k in range(len(params))], dtype=torch.int32)
+        has = torch.tensor([any(g[k] is not None for g in mine) for k in range(len(params))], dtype=torch.int32,
+                           device=params[0].device)  # NCCL (the group on a GPU) reduces device tensors only
         dist.all_reduce(has, op=dist.ReduceOp.MAX)  # a parameter with a gradient on any rank has one everywhere
         with_grad = [k for k, h in enumerate(has.tolist()) if h]
         if not with_grad:
