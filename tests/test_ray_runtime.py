@@ -424,3 +424,27 @@ def test_with_every_trainer_rank_killed_the_models_are_gone_and_the_trainer_serv
     local.trainer.remove_model(model)
     create(local, model)
     assert distributed.execute(request) == local.execute(request)
+
+
+def test_one_rank_runs_the_whole_request_as_the_in_process_trainer_does(runtimes, tmp_path):
+    """One bundle (the single-GPU Ray worker): the rank gets the request whole, in one trainer call (not one call per
+    micro-batch), and its outputs, loss and adapter after two forward_backwards and a step equal the in-process
+    runtime's bit for bit."""
+    from worker.ray_runtime.data_parallel import assignment
+
+    local, _ = runtimes
+    one = build_runtime(config(tmp_path, runtime="ray", ray_gpus=1, ray_namespace="one-rank"))
+    try:
+        model = "one-rank:train:0"
+        data = [datum(p, [40, 41, 42, 43, 44, 45], 1.0 if i % 2 else -0.5) for i, p in enumerate(PROMPTS * 2)]
+        request = ForwardBackwardRequest(model_id=model, data=data, loss_fn="importance_sampling")
+        assert assignment(request, MICRO_BATCH_TOKENS, 1) == [[(0, len(data))]]
+        answers = []
+        for rt in (local, one):
+            create(rt, model)
+            answers.append([rt.execute(request), rt.execute(request.model_copy(update={"data": data[:3]})),
+                            rt.execute(OptimStepRequest(model_id=model, adam_params=AdamParams(learning_rate=0.05)))])
+        assert answers[0] == answers[1]
+        assert same_adapter(adapter(local, model), adapter(one, model))
+    finally:
+        one.engine.close()

@@ -27,15 +27,18 @@ def make_runtime(config: RuntimeConfig) -> Runtime:
                                 cpus=config.ray_num_cpus or max(bundles, os.cpu_count() or 1),
                                 namespace=config.ray_namespace)
     placement = cluster.place(bundles)
+    # named in the worker's namespace also where this process was connected already (by an embedder, or a test
+    # holding two runtimes)
+    named = {"namespace": config.ray_namespace} if config.ray_namespace else {}
     # Each bundle hosts an engine replica and a trainer rank, so each gets a share of its device (on a GPU,
     # vLLM's own gpu_memory_utilization decides how much memory it takes).
     share = 0.5
-    replicas = [ray.remote(EngineReplica).options(**placement.options(i % bundles, share), name=f"engine-{i}",
+    replicas = [ray.remote(EngineReplica).options(**placement.options(i % bundles, share), name=f"engine-{i}", **named,
                                                   max_restarts=config.ray_max_restarts, max_task_retries=0)
                 .remote(config) for i in range(engines)]
     # A rank Ray restarts rejoins a re-formed group and takes a survivor's models (trainers.RayTrainer._regroup).
     rank_actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(TrainerRank)
-    trainers = [rank_actor.options(**placement.options(i % bundles, share), name=f"trainer-{i}",
+    trainers = [rank_actor.options(**placement.options(i % bundles, share), name=f"trainer-{i}", **named,
                                    max_restarts=config.ray_max_restarts, max_task_retries=0)
                 .remote(config, i, ranks) for i in range(ranks)]
     host, port = ray.get(trainers[0].address.remote(), timeout=CALL_TIMEOUT_S)

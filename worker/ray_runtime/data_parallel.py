@@ -16,7 +16,10 @@ Span = tuple[int, int]  # datums [first, stop) of one micro-batch
 
 def assignment(request: ForwardRequest, token_budget: int, ranks: int) -> list[list[Span]]:
     """The request's micro-batches, as contiguous runs one per rank of about equal token counts, in order
-    (rank 0 the first run); a rank may get none."""
+    (rank 0 the first run); a rank may get none. One rank gets the whole request as one part: the in-process
+    trainer's own call, which cuts its micro-batches itself (one call instead of one per micro-batch)."""
+    if ranks == 1:
+        return [[(0, len(request.data))]]
     lengths = [len(d.model_input) for d in request.data]
     spans = plan(lengths, token_budget)
     sizes = [sum(lengths[a:b]) for a, b in spans]
@@ -41,6 +44,8 @@ def merged(outputs: list[ForwardBackwardOutput], datums: list[int]) -> ForwardBa
     """The micro-batches' outputs (in request order, with how many datums each had) as one. `loss:sum` is the
     float32 sum of the passes' float32 totals, as the in-process trainer adds them (`packed_forward._outputs`);
     a custom loss's metrics are summed (those keyed `:mean` weighted by datums), in float64 as the SDK does."""
+    if len(outputs) == 1:
+        return outputs[0]  # one part: the in-process trainer's own answer, as it gave it
     total = sum(datums)
     metrics: dict[str, float] = {}
     for out, n in zip(outputs, datums):

@@ -6,8 +6,10 @@ every rank takes the same step and holds the same adapter as the in-process trai
 A rank Ray restarted holds nothing: the caller re-forms the group with it (`leave`, then `join` on every rank) and
 hands it what a survivor holds (`models_state` -> `adopt`): every model's adapter, gradients and optimizer state."""
 
+import logging
 import os
 import socket
+import time
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -23,6 +25,8 @@ from worker.ray_runtime import cluster
 from worker.ray_runtime.boundary import Failed, guarded
 from worker.ray_runtime.weight_group import GroupMember, WeightsMeta
 from worker.torch_runtime.lora_io import LoraWeights
+
+log = logging.getLogger(__name__)
 
 # A collective that waits longer than this for a rank has lost it (a dead rank would otherwise hold the others in
 # its all_gather for torch's default of 30 minutes); the caller then re-forms the group.
@@ -128,8 +132,8 @@ class TrainerRank:
         return guarded(create)
 
     def forward(self, parts: list[ForwardRequest], backward: bool):
-        """Each micro-batch of this rank's run, as the in-process trainer passes it; with `backward`, each one's
-        gradients are kept apart (pending) until `commit` sums every rank's in the request's order, and the
+        """Each part of this rank's run (a micro-batch, or with one rank the whole request), as the in-process
+        trainer runs it; with `backward`, each one's gradients are kept apart (pending) until `commit` sums every rank's in the request's order, and the
         adapter's accumulated gradients are left as they were (a failing rank elsewhere means `discard`)."""
         if not backward:
             return guarded(lambda: [self.trainer.forward(p, False) for p in parts])
@@ -146,11 +150,14 @@ class TrainerRank:
                 grads.append([p.grad for p in params])
             return outputs
 
+        started = time.perf_counter()
         try:
             outputs = guarded(run)
         finally:
             for p, g in zip(params, earlier):
                 p.grad = g
+        log.info("rank %d: forward_backward of %d part(s), %d tokens, %.1f ms in the trainer", self.rank, len(parts),
+                 sum(len(d.model_input) for p in parts for d in p.data), 1000 * (time.perf_counter() - started))
         if parts and not isinstance(outputs, Failed):
             self._pending[parts[0].model_id] = grads
         return outputs

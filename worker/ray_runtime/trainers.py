@@ -173,7 +173,9 @@ class RayTrainer(Trainer):
             return rank.forward.remote([part(request, span) for span in runs[i]], backward)
 
         # a rank lost mid-forward: the others' shares are dropped with the group (`leave`), and it runs again
+        started = time.perf_counter()
         outputs = self._on_ranks(share, rerun=True)
+        answered = time.perf_counter()
         if any(isinstance(out, Failed) for out in outputs):
             if backward:  # nothing was added to any rank's gradients yet: drop what the others computed
                 self._on_ranks(lambda i, rank: rank.discard.remote(request.model_id), rerun=True)
@@ -188,6 +190,8 @@ class RayTrainer(Trainer):
                 if exc.code != "trainer_restarted":
                     raise
                 return self.forward(request, backward)
+            log.info("forward_backward on %d rank(s): %.1f ms to their answers, %.1f ms to commit the gradients",
+                     len(self.ranks), 1000 * (answered - started), 1000 * (time.perf_counter() - answered))
         return merged([out for rank_outputs in outputs for out in rank_outputs],
                       [b - a for run in runs for a, b in run])
 
