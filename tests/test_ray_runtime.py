@@ -159,7 +159,7 @@ def test_syncs_travel_over_the_weights_group_and_a_restarted_replica_rejoins_it(
     for rt, out in zip(runtimes, outputs, strict=True):
         step(rt, model, out, 0)
     formation = group.generation
-    assert formation >= 1 and set(group.formed) == {0, 1}
+    assert formation >= 1 and set(group.formed) == {0, 1} and group.backend == "gloo"  # no GPU: host memory
     recorded = dict(distributed.engine.record.records()[-1][2])  # the record of this model: version -> reference
     assert same_adapter(ray.get(recorded[1]).tensors, adapter(distributed, model))
 
@@ -310,6 +310,19 @@ def test_forward_only_equals_in_process(runtimes):
     data = [datum(p, [40, 41, 42], 1.0) for p in PROMPTS]
     a, b = (rt.execute(ForwardRequest(model_id=model, data=data, loss_fn="importance_sampling")) for rt in runtimes)
     assert a == b
+
+
+def test_the_weights_group_uses_nccl_only_where_every_member_has_a_gpu_of_its_own(monkeypatch):
+    from worker.ray_runtime.weight_group import backend_for
+
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)  # as on a CUDA build of torch
+    assert backend_for("gpu-0", ["gpu-1", "gpu-2"]) == "nccl"
+    assert backend_for(None, ["gpu-1"]) == "gloo"  # the trainer's export is in host memory
+    assert backend_for("gpu-0", ["gpu-1", None]) == "gloo"  # a replica on the CPU
+    assert backend_for("gpu-0", ["gpu-1", "gpu-1"]) == "gloo"  # two replicas on one GPU: NCCL refuses
+    assert backend_for("gpu-0", ["gpu-0"]) == "gloo"  # on the sender's GPU (IPC serves such a replica)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: False)
+    assert backend_for("gpu-0", ["gpu-1"]) == "gloo"
 
 
 def test_a_step_spreads_over_both_ranks():

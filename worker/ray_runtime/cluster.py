@@ -41,10 +41,14 @@ def connect(address: str | None, cpus: int | None = None, namespace: str = "") -
     return True
 
 
-def configure_actor_logging() -> None:
-    """In an actor's process: log at the worker's level (Ray prefixes each line with the actor's name and pid)."""
+def configure_actor() -> None:
+    """In an actor's process, first: log at the worker's level (Ray prefixes each line with the actor's name and
+    pid); and an NCCL collective that outlasts its group's timeout (a peer died) raises in its caller, which re-forms
+    the group, instead of NCCL's watchdog ending the process (torch's default), which would take a surviving trainer
+    rank's models with it."""
     logging.basicConfig(level=os.environ.get(ACTOR_LOG_LEVEL_ENV, "WARNING"),
                         format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # CleanUpOnly: abort the communicator, raise
 
 
 def disconnect() -> None:

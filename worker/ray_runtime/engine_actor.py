@@ -27,7 +27,7 @@ _END = object()
 
 class EngineReplica:
     def __init__(self, config: RuntimeConfig) -> None:
-        cluster.configure_actor_logging()
+        cluster.configure_actor()
         from worker.torch_runtime.assembly import make_engine, set_threads
         from worker.torch_runtime.base_models import BaseModels
 
@@ -68,8 +68,8 @@ class EngineReplica:
         self._check(expect)
         self.engine.apply_weights(model_id, version, weights)
 
-    def weights_join(self, host: str, port: int, rank: int, world: int, generation: int) -> None:
-        self.weights.join(host, port, rank, world, generation)
+    def weights_join(self, host: str, port: int, rank: int, world: int, generation: int, backend: str) -> None:
+        self.weights.join(host, port, rank, world, generation, backend)
 
     def weights_leave(self) -> None:
         self.weights.leave()

@@ -57,7 +57,7 @@ CONCURRENCY_GROUPS = {"io": 1}
 
 class TrainerRank:
     def __init__(self, config: RuntimeConfig, rank: int, world: int) -> None:
-        cluster.configure_actor_logging()
+        cluster.configure_actor()
         from worker.torch_runtime.assembly import make_trainer, set_threads
         from worker.torch_runtime.base_models import BaseModels
 
@@ -214,8 +214,8 @@ class TrainerRank:
 
     # -- the weights group (rank 0 only; weight_group.py) --
 
-    def weights_join(self, host: str, port: int, rank: int, world: int, generation: int) -> None:
-        self.weights.join(host, port, rank, world, generation)
+    def weights_join(self, host: str, port: int, rank: int, world: int, generation: int, backend: str) -> None:
+        self.weights.join(host, port, rank, world, generation, backend)
 
     def weights_leave(self) -> None:
         self.weights.leave()

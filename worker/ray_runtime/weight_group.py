@@ -1,16 +1,18 @@
 """Weight sync from trainer rank 0 to the engine replicas without Ray's object store (a pickle into it, one out of it
 per replica, a Ray call's overhead each): a replica on the trainer's own GPU maps the export's memory by CUDA IPC and
-copies it; any other replica takes a broadcast over a gloo group of rank 0 and those replicas, from host memory. Not
-built: NCCL between members on GPUs of their own.
+copies it; any other replica takes a broadcast over a group of rank 0 and those replicas: NCCL, from GPU memory to
+GPU memory, where every member has a GPU of its own (`backend_for`), else gloo from host memory.
 
 Group members: rank 0 is trainer rank 0, the others the replicas not served by IPC, in index order. The group is
 formed on the first sync that needs it and again whenever a member was restarted since (each member says which
-formation it joined: its `generation`, 0 for none). A sync: the trainer stages an export (its buffers, one per dtype:
-the adapter's tensors are views of them, see lora_io.AdapterExport) and answers the WeightsMeta receivers allocate
-from (with IPC handles of the buffers where they are on a GPU); the group broadcasts the buffers from rank 0 in
-buckets of at most BUCKET_BYTES, all posted at once and waited for once. The facade's snapshot record (snapshots.py)
-still keeps a reference in the object store, to rebuild a replica Ray restarts: the trainer makes it after the
-sync, so it delays the trainer's next call, not the sync.
+formation it joined: its `generation`, 0 for none) or the backend its members call for changed. A sync: the trainer
+stages an export (its buffers, one per dtype: the adapter's tensors are views of them, see lora_io.AdapterExport) and
+answers the WeightsMeta receivers allocate from (with IPC handles of the buffers where they are on a GPU); the group
+broadcasts the buffers from rank 0 in buckets of at most BUCKET_BYTES, all posted at once and waited for once. The
+facade's snapshot record (snapshots.py) still keeps a reference in the object store, to rebuild a replica Ray
+restarts: the trainer makes it after the sync, so it delays the trainer's next call, not the sync.
+
+The NCCL path has not run: it needs two GPUs, and no machine with several has been lent (README).
 """
 
 import logging
@@ -53,6 +55,15 @@ class OnTrainer:
     model_id: str
 
 
+def backend_for(sender_gpu: str | None, receiver_gpus: list[str | None]) -> str:
+    """NCCL where the sender's buffers and every receiver are on GPUs, each a GPU of its own (NCCL refuses two ranks
+    on one device); else gloo, through host memory."""
+    gpus = [sender_gpu, *receiver_gpus]
+    if None in gpus or len(set(gpus)) != len(gpus) or not dist.is_nccl_available():
+        return "gloo"
+    return "nccl"
+
+
 def gpu_of(device: torch.device | str) -> str | None:
     """The physical GPU a device is (its UUID: each Ray actor numbers the GPUs it sees from 0), None off a GPU."""
     device = torch.device(device)
@@ -65,23 +76,28 @@ class GroupMember:
     """One actor's place in the weights group, and on the sender its staged export."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
         self.gpu = gpu_of(device)
+        self.backend = "gloo"
         self.group: Any = None
         self._store: Any = None
         self.generation = 0
         self._staged: tuple[list[torch.Tensor], WeightsMeta] | None = None
         self._on_host: list[torch.Tensor] | None = None  # the staged buffers' host copy, once made
 
-    def join(self, host: str, port: int, rank: int, world: int, generation: int) -> None:
+    def join(self, host: str, port: int, rank: int, world: int, generation: int, backend: str = "gloo") -> None:
         """Every member calls this at once; it returns when all have (rank 0 hosts the rendezvous store)."""
         self.leave()
         timeout = timedelta(seconds=GROUP_TIMEOUT_S)
         self._store = dist.TCPStore(host, port, world, rank == 0, timeout=timeout)  # rank 0's serves the others
-        self.group = dist.ProcessGroupGloo(self._store, rank, world, timeout)
-        self.generation = generation
+        if backend == "nccl":
+            self.group = nccl_group(self._store, rank, world, self.device, timeout)
+        else:
+            self.group = dist.ProcessGroupGloo(self._store, rank, world, timeout)
+        self.generation, self.backend = generation, backend
 
     def leave(self) -> None:
-        self.group, self._store, self.generation = None, None, 0
+        self.group, self._store, self.generation, self.backend = None, None, 0, "gloo"
 
     def broadcast(self, buffers: list[torch.Tensor]) -> None:
         """Rank 0's buffers into everyone's, bucket by bucket, with one wait at the end."""
@@ -103,10 +119,11 @@ class GroupMember:
         return meta
 
     def send(self, generation: int) -> None:
-        """Broadcast the staged export (from its host copy: gloo's is host memory) in formation `generation`."""
+        """Broadcast the staged export in formation `generation`: over NCCL from the GPU, over gloo from its host
+        copy."""
         if generation != self.generation:
             raise RuntimeError(f"asked to send in formation {generation}; this member is in {self.generation}")
-        self.broadcast(self._host_buffers())
+        self.broadcast(self._staged[0] if self.backend == "nccl" else self._host_buffers())
 
     def unstage(self) -> LoraWeights:
         """The export last staged, on the host (for the facade's record), no longer held here."""
@@ -129,7 +146,8 @@ class GroupMember:
             return self._mapped(meta)
         if meta.generation != self.generation or self.group is None:
             raise RuntimeError(f"the weights group is formation {self.generation}, the sender's {meta.generation}")
-        buffers = [torch.empty(n, dtype=dtype) for dtype, n in meta.buffers]
+        device = self.device if self.backend == "nccl" else "cpu"
+        buffers = [torch.empty(n, dtype=dtype, device=device) for dtype, n in meta.buffers]
         self.broadcast(buffers)
         return _unpacked(meta.config, buffers, meta.layout)
 
@@ -142,6 +160,14 @@ class GroupMember:
         torch.cuda.current_stream(buffers[0].device).synchronize()  # copied before the handles are let go
         del shared
         return _unpacked(meta.config, buffers, meta.layout)
+
+
+def nccl_group(store: Any, rank: int, world: int, device: torch.device, timeout: timedelta) -> Any:
+    """An NCCL group on this member's GPU; a collective that outlasts `timeout` raises (cluster.configure_actor)."""
+    torch.cuda.set_device(device)
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, world, options)
 
 
 def _ipc_handles(buffers: list[torch.Tensor]) -> tuple:

@@ -9,7 +9,7 @@ import ray
 from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError
 
-from worker.ray_runtime.weight_group import GROUP_TIMEOUT_S, WeightsMeta
+from worker.ray_runtime.weight_group import GROUP_TIMEOUT_S, WeightsMeta, backend_for
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +21,7 @@ class GroupSync:
         self.sender, self.timeout_s = sender, timeout_s
         self.generation = 0
         self.formed: set[int] = set()  # the replicas in the current formation
+        self.backend = "gloo"  # the current formation's (weight_group.backend_for)
         self.unmapped: set[str] = set()  # replica incarnations whose CUDA IPC read failed: they take the broadcast
 
     def deliver(self, model_id: str, version: int, replicas: dict[int, tuple[ActorHandle, str]],
@@ -62,24 +63,25 @@ class GroupSync:
               ready: dict[int, tuple[str | None, int]]) -> ray.ObjectRef | None:
         """Rank 0's broadcast to these replicas (the group formed again first where its members changed); None if
         the group could not be formed (a member died meanwhile)."""
-        if (meta.generation != self.generation or set(grouped) != self.formed
+        backend = backend_for(meta.gpu, [ready[i][0] for i in grouped])
+        if (meta.generation != self.generation or set(grouped) != self.formed or backend != self.backend
                 or any(ready[i][1] != self.generation for i in grouped)):
             try:
-                self._form(grouped)
+                self._form(grouped, backend)
             except Exception:  # noqa: BLE001 - a member lost while joining: this sync leaves the group out
                 log.exception("weights group: forming it with replicas %s failed", sorted(grouped))
                 return None
         return self.sender.send_staged.remote(self.generation)
 
-    def _form(self, replicas: dict[int, tuple[ActorHandle, str]]) -> None:
+    def _form(self, replicas: dict[int, tuple[ActorHandle, str]], backend: str) -> None:
         self.generation += 1
         members = [self.sender, *(handle for handle, _ in replicas.values())]
         ray.wait([m.weights_leave.remote() for m in members], num_returns=len(members), timeout=self.timeout_s)
         host, port = ray.get(self.sender.address.remote(), timeout=self.timeout_s)
-        ray.get([m.weights_join.remote(host, port, rank, len(members), self.generation)
+        ray.get([m.weights_join.remote(host, port, rank, len(members), self.generation, backend)
                  for rank, m in enumerate(members)], timeout=GROUP_TIMEOUT_S + self.timeout_s)
-        self.formed = set(replicas)
-        log.info("weights group formed (formation %d): trainer rank 0 and replicas %s", self.generation,
+        self.formed, self.backend = set(replicas), backend
+        log.info("weights group formed (formation %d, %s): trainer rank 0 and replicas %s", self.generation, backend,
                  sorted(replicas))
 
 
