@@ -22,7 +22,7 @@ def runtime_name(config: RuntimeConfig) -> str:
     """`auto` is the torch runtime (on Ray where devices or a cluster were asked for); without its packages that is
     an error, not a silent stand-in model."""
     on_ray = config.ray_gpus > 0 or bool(config.ray_address)
-    if config.runtime not in ("auto", "ray") and on_ray:
+    if config.runtime in ("torch", "reference") and on_ray:
         # not silently in process: a worker asked for N GPUs would serve on one
         raise ValueError(f"runtime {config.runtime!r} runs in process; ray_gpus={config.ray_gpus} and "
                          f"ray_address={config.ray_address!r} ask for the Ray runtime (--runtime ray or auto)")

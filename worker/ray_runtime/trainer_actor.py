@@ -133,8 +133,9 @@ class TrainerRank:
 
     def forward(self, parts: list[ForwardRequest], backward: bool):
         """Each part of this rank's run (a micro-batch, or with one rank the whole request), as the in-process
-        trainer runs it; with `backward`, each one's gradients are kept apart (pending) until `commit` sums every rank's in the request's order, and the
-        adapter's accumulated gradients are left as they were (a failing rank elsewhere means `discard`)."""
+        trainer runs it; with `backward`, each one's gradients are kept apart (pending) until `commit` sums every
+        rank's in the request's order, and the adapter's accumulated gradients are left as they were (a failing
+        rank elsewhere means `discard`)."""
         if not backward:
             return guarded(lambda: [self.trainer.forward(p, False) for p in parts])
         params = self._params(parts[0].model_id) if parts else []
