@@ -503,5 +503,6 @@ def ray_comparison(runs: dict) -> dict | None:
           + ", ".join(f"{p} {r:.2f}" for p, r in phases.items()))
     return {"step_ratio": ratio, "phase_ratios": phases}
 
+
 if __name__ == "__main__":
     main()

@@ -52,7 +52,9 @@ rl_step)
   cp bench/results/gpu_rl_step-h200-"$tag".* "$OUT"/ 2>/dev/null || true
   # the worker's and the baseline's own logs (memory share, KV cache size, sleep/wake times)
   logs=$(sed -n 's/.*logs in \(.*\)$/\1/p' "$OUT/$tag.log" | head -1)
-  [ -n "$logs" ] && for f in worker-torch.log worker-ray.log baseline.log; do cp "$logs/$f" "$OUT/$tag-$f" 2>/dev/null || true; done
+  [ -n "$logs" ] && for f in worker-torch.log worker-ray.log baseline.log; do
+    cp "$logs/$f" "$OUT/$tag-$f" 2>/dev/null || true
+  done
   exit $status
   ;;
 esac
