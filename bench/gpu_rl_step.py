@@ -24,6 +24,10 @@ vLLM (goal >= 0.9); writes bench/results/gpu_rl_step[-TAG].json and .png (phase 
 worker runs vLLM in sleep mode (TINKERQ_VLLM_SLEEP_DURING_TRAINING): its forward_backward phase then includes vLLM
 falling asleep and its sync phase vLLM waking up. With --resample each step samples its batch a second time at once
 (untimed in the step). On CUDA each step records the GPU's clocks, temperature and power before and after sampling.
+With --runtimes torch,ray part 2 runs twice, through the in-process worker and then through the Ray runtime's worker
+on one bundle (an engine replica and a trainer rank as Ray actors sharing the GPU; issue 15 item 5: its step <= 1.1 x
+the in-process one), and the report adds their ratio by phase (Ray travels in the carry of `RAY=1
+bench/h200_vllm_carry.sh`).
 """
 
 import argparse
