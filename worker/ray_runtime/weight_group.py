@@ -164,7 +164,7 @@ class GroupMember:
 
 def nccl_group(store: Any, rank: int, world: int, device: torch.device, timeout: timedelta) -> Any:
     """An NCCL group on this member's GPU; a collective that outlasts `timeout` raises (cluster.configure_actor)."""
-    torch.cuda.set_device(device)
+    torch.cuda.set_device(device.index if device.index is not None else torch.cuda.current_device())  # "cuda" alone
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     return dist.ProcessGroupNCCL(store, rank, world, options)
