@@ -51,9 +51,9 @@ LONG_PROMPT = [random.Random(7).randrange(3, 2000) for _ in range(300)]
 class Pair:
     """A runtime on the vLLM engine and one on the PyTorch engine, over one trainer."""
 
-    def __init__(self, tmp_path, sync: str) -> None:
+    def __init__(self, tmp_path, sync: str, **settings) -> None:
         config = RuntimeConfig(runtime="torch", engine="vllm", vllm_sync=sync, checkpoint_root=str(tmp_path),
-                               max_snapshots=3, vllm_max_loras=3, vllm_max_lora_rank=16)
+                               max_snapshots=3, vllm_max_loras=3, vllm_max_lora_rank=16, **settings)
         bases = BaseModels("cpu", "float32")
         self.trainer = TorchTrainer(bases, tmp_path)
         self.vllm = Runtime(self.trainer, VllmEngine(config))
@@ -388,3 +388,24 @@ def test_an_inplace_merged_sync_serves_the_trainers_weights_and_restores_what_th
             before = ours
         merged.vllm.engine.remove_model(model)
     assert merged.vllm.engine.writers[BASE] is not None
+
+
+@pytest.mark.parametrize("sync", ["lora", "merged"])
+def test_a_tensor_parallel_engine_serves_what_the_pytorch_engine_serves(sync, tmp_path):
+    """TINKERQ_VLLM_TENSOR_PARALLEL_SIZE=2: vLLM's own workers (two processes, each half of every layer) serve the
+    trainer's weights after each sync, in both sync modes (vLLM's own load paths: in place needs the workers here)."""
+    pair = Pair(tmp_path, sync, vllm_tensor_parallel_size=2)
+    try:
+        model = pair.new_model(seed=21, train_unembed=sync == "lora")
+        version = 0
+        for _ in range(2):
+            version = pair.train_and_sync(model, version, lr=0.2)
+            ask = request(model, version, temperature=0, max_tokens=10, stop=[])
+            (ours,), (theirs,) = served(pair.vllm, ask), served(pair.torch, ask)
+            assert ours.sequences[0].tokens == theirs.sequences[0].tokens
+            assert max_diff(ours.sequences[0].logprobs, theirs.sequences[0].logprobs) < MERGED_TOLERANCE
+            assert ours.weights_version == version
+        (llm,) = pair.vllm.engine.llms.values()
+        assert llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == 2
+    finally:
+        pair.close()

@@ -27,6 +27,12 @@ def make_runtime(config: RuntimeConfig) -> Runtime:
                                 cpus=config.ray_num_cpus or max(bundles, os.cpu_count() or 1),
                                 namespace=config.ray_namespace)
     placement = cluster.place(bundles)
+    if placement.gpu and config.vllm_tensor_parallel_size > 1:
+        placement.remove()
+        # a replica sees the one GPU of its bundle; k GPUs for one replica need bundles of k, which are not built
+        raise ValueError(f"vllm_tensor_parallel_size={config.vllm_tensor_parallel_size} is not built for the Ray "
+                         "runtime on GPUs (each engine replica holds one GPU); the in-process worker spreads its "
+                         "engines over that many GPUs")
     # named in the worker's namespace also where this process was connected already (by an embedder, or a test
     # holding two runtimes)
     named = {"namespace": config.ray_namespace} if config.ray_namespace else {}

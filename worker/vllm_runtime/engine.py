@@ -67,7 +67,8 @@ class VllmEngine(Engine):
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.merged = config.vllm_sync == "merged"
-        self.inplace = config.vllm_inplace_sync
+        # in place writes the engine's tensors from this process: a tensor-parallel engine's live in its workers'
+        self.inplace = config.vllm_inplace_sync and config.vllm_tensor_parallel_size == 1
         if self.device.type == "cuda" and self.dtype == torch.float32 and not self.merged:
             raise ValueError("vLLM's GPU LoRA kernels take float16 or bfloat16 weights only: set TINKERQ_DTYPE="
                              "bfloat16 (or auto), or TINKERQ_VLLM_SYNC=merged to serve float32 without LoRA")
@@ -299,6 +300,10 @@ class VllmEngine(Engine):
             kwargs["gpu_memory_utilization"] = self._share(base_model)
             if self.sleep_mode:
                 kwargs["enable_sleep_mode"] = True
+        if self.config.vllm_tensor_parallel_size > 1:
+            # the workers run in processes of their own (syncs take vLLM's own paths), where patches.py is applied too
+            kwargs.update(tensor_parallel_size=self.config.vllm_tensor_parallel_size, distributed_executor_backend="mp",
+                          worker_extension_cls="worker.vllm_runtime.worker_patches.PatchedWorker")
         if not self.merged:
             # max_cpu_loras: snapshots registered beyond the slots stay servable (re-activated on demand)
             kwargs.update(enable_lora=True, max_loras=self.config.vllm_max_loras,
