@@ -29,6 +29,8 @@ def make_runtime(config: RuntimeConfig) -> Runtime:
     placement = cluster.place(bundles)
     if placement.gpu and config.vllm_tensor_parallel_size > 1:
         placement.remove()
+        if connected:
+            cluster.disconnect()
         # a replica sees the one GPU of its bundle; k GPUs for one replica need bundles of k, which are not built
         raise ValueError(f"vllm_tensor_parallel_size={config.vllm_tensor_parallel_size} is not built for the Ray "
                          "runtime on GPUs (each engine replica holds one GPU); the in-process worker spreads its "
