@@ -64,7 +64,9 @@ def sync_cases(args) -> list[tuple[str, str, int]]:
 def build(args, tmp: Path, replicas: int | None) -> Direct:
     """The in-process runtime (replicas None) or the Ray one on `replicas` bundles, holding the sampled model and
     every sync case's model."""
-    overrides = {"torch_threads": args.torch_threads}
+    # every sync case's adapter must fit the engine's LoRA slots (vLLM pads each to max_lora_rank)
+    ranks = [args.lora_rank, *(rank for _, _, rank in sync_cases(args))]
+    overrides = {"torch_threads": args.torch_threads, "vllm_max_lora_rank": max(ranks)}
     if replicas is not None:
         overrides.update(runtime="ray", ray_gpus=replicas, checkpoint_root=str(tmp / f"ray-{replicas}"))
     started = time.perf_counter()
@@ -229,7 +231,9 @@ def parse_args() -> argparse.Namespace:
     # On the CPU both runtimes get Ray's one thread per actor: at two threads on this 2-vCPU VM the in-process
     # runtime's rounds swung from 0.3k to 13k tokens/s (OpenMP threads spinning against the other processes).
     parser.add_argument("--torch-threads", type=int, help="torch threads per process, both runtimes (0: torch's)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.25)
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        help="each vLLM engine's share of its GPU; default: 0.8 over the engines GPU 0 holds (one per "
+                             "base, in each runtime), so that they fit beside each other and the trainers")
     parser.add_argument("--cuda-graphs", action="store_true", help="vLLM with CUDA graphs")
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
@@ -237,6 +241,11 @@ def parse_args() -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.replicas = args.replicas or default_replicas(args.device)
+    if args.gpu_memory_utilization is None:
+        # GPU 0 holds an engine per base in process and one in replica 0 (a run with --sync-models 0.5b,1.5b asked
+        # 4 x 0.25 of an H100 and the last engine found 6 of 79 GiB free)
+        bases = {args.model, *(args.sync_models.split(",") if args.sync_models else [])}
+        args.gpu_memory_utilization = round(0.8 / (2 * len(bases)), 3)
     args.vllm_sync = "lora"  # what sampling_throughput's runtime settings read: the adapter stays an adapter
     return args
 
