@@ -41,14 +41,16 @@ def make_runtime(config: RuntimeConfig) -> Runtime:
     # Each bundle hosts an engine replica and a trainer rank, so each gets a share of its device (on a GPU,
     # vLLM's own gpu_memory_utilization decides how much memory it takes).
     share = 0.5
-    replicas = [ray.remote(EngineReplica).options(**placement.options(i % bundles, share), name=f"engine-{i}", **named,
-                                                  max_restarts=config.ray_max_restarts, max_task_retries=0)
-                .remote(config) for i in range(engines)]
     # A rank Ray restarts rejoins a re-formed group and takes a survivor's models (trainers.RayTrainer._regroup).
     rank_actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(TrainerRank)
     trainers = [rank_actor.options(**placement.options(i % bundles, share), name=f"trainer-{i}", **named,
                                    max_restarts=config.ray_max_restarts, max_task_retries=0)
                 .remote(config, i, ranks) for i in range(ranks)]
+    # each replica sizes vLLM's share of its GPU from the trainer rank on the same bundle, where there is one
+    replicas = [ray.remote(EngineReplica).options(**placement.options(i % bundles, share), name=f"engine-{i}", **named,
+                                                  max_restarts=config.ray_max_restarts, max_task_retries=0)
+                .remote(config, trainers[i % bundles] if placement.gpu and i % bundles < ranks else None)
+                for i in range(engines)]
     host, port = ray.get(trainers[0].address.remote(), timeout=CALL_TIMEOUT_S)
     ray.get([t.join.remote(host, port) for t in trainers], timeout=CALL_TIMEOUT_S)
     log.info("Ray runtime: %d bundles (%s), %d engine replicas, %d trainer ranks, weights by %s", bundles,

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import ray
+from ray.actor import ActorHandle
 
 from schemas import CreateModelRequest, ErrorResponse, SampleOutput
 from tinkerq.config import RuntimeConfig
@@ -23,17 +24,25 @@ from worker.runtime.base import Keyed
 # (model id, base model, [(version, weights or a reference to them), ...] oldest first)
 ModelRecord = tuple[str, str, list[tuple[int, Any]]]
 _END = object()
+NEED_TIMEOUT_S = 600.0  # the trainer rank's dry run (it loads the base first where it has not)
 
 
 class EngineReplica:
-    def __init__(self, config: RuntimeConfig) -> None:
+    def __init__(self, config: RuntimeConfig, beside: ActorHandle | None = None) -> None:
+        """`beside`: the trainer rank on this replica's GPU, whose measured need sizes vLLM's share of it, as the
+        in-process runtime's trainer does (TINKERQ_VLLM_GPU_MEMORY_UTILIZATION=auto)."""
         cluster.configure_actor()
         from worker.torch_runtime.assembly import make_engine, set_threads
         from worker.torch_runtime.base_models import BaseModels
 
         set_threads(config)
         bases = BaseModels(config.device, config.dtype)
-        self.engine = make_engine(config, bases)
+        need = None
+        if beside is not None:
+            def need(base_model: str) -> tuple[int, int]:
+                asked = beside.trainer_need.remote(base_model, config.vllm_max_lora_rank)
+                return ray.get(asked, timeout=NEED_TIMEOUT_S)
+        self.engine = make_engine(config, bases, need)
         self.incarnation = uuid.uuid4().hex
         self.weights = GroupMember(bases.device)  # its place in the weights group (weight_group.py)
 

@@ -119,6 +119,11 @@ class TrainerRank:
     def _params(self, model_id: str) -> list[torch.nn.Parameter]:
         return self.trainer.models[model_id].optimizer.param_groups[0]["params"]
 
+    def trainer_need(self, base_model: str, lora_rank: int) -> tuple[int, int]:
+        """The device memory a full pass takes above what this rank holds, and its tokens (memory_share.py): what
+        the engine replica on its GPU leaves free for it. CUDA only."""
+        return self.trainer.peak_training_bytes(base_model, lora_rank)
+
     def warm(self, base_model: str):
         return guarded(lambda: self.trainer.warm(base_model))
 

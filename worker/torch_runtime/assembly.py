@@ -13,6 +13,7 @@ from worker.torch_runtime.base_models import BaseModels
 from worker.torch_runtime.engine import TorchEngine
 from worker.torch_runtime.packed_forward import TrainOptions
 from worker.torch_runtime.trainer import TorchTrainer
+from worker.vllm_runtime.memory_share import TrainerNeed
 
 
 def engine_name(config: RuntimeConfig) -> str:
@@ -21,19 +22,21 @@ def engine_name(config: RuntimeConfig) -> str:
     return "vllm" if importlib.util.find_spec("vllm") is not None else "torch"
 
 
-def make_engine(config: RuntimeConfig, bases: BaseModels, trainer: TorchTrainer | None = None) -> Engine:
-    """`trainer`: the one beside the engine in this process, whose measured need sizes vLLM's share of the GPU
-    (TINKERQ_VLLM_GPU_MEMORY_UTILIZATION=auto)."""
+def make_engine(config: RuntimeConfig, bases: BaseModels,
+                need: TrainerNeed | None = None) -> Engine:
+    """`need`: the trainer's measured need for a base (bytes above what it holds, tokens a pass), from the trainer
+    that shares the engine's GPU; it sizes vLLM's share of it (TINKERQ_VLLM_GPU_MEMORY_UTILIZATION=auto)."""
     if engine_name(config) == "vllm":
         from worker.vllm_runtime.engine import VllmEngine
 
-        need = None
-        if trainer is not None:
-            def need(base_model: str) -> tuple[int, int]:
-                # the widest adapter the engine serves, on every target: the most a model may ask of the trainer
-                return trainer.peak_training_bytes(base_model, config.vllm_max_lora_rank)
         return VllmEngine(config, bases.catalog, need)
     return TorchEngine(bases, config.max_snapshots)
+
+
+def trainer_need(trainer: TorchTrainer, config: RuntimeConfig) -> TrainerNeed:
+    """What the trainer needs for a base: measured with the widest adapter the engine serves, on every target (the
+    most a model may ask of it)."""
+    return lambda base_model: trainer.peak_training_bytes(base_model, config.vllm_max_lora_rank)
 
 
 def set_threads(config: RuntimeConfig) -> None:
@@ -62,4 +65,4 @@ def make_runtime(config: RuntimeConfig) -> Runtime:
     set_threads(config)
     bases = BaseModels(config.device, config.dtype, BaseModelCatalog.from_env())
     trainer = make_trainer(config, bases)
-    return Runtime(trainer, make_engine(config, bases, trainer))
+    return Runtime(trainer, make_engine(config, bases, trainer_need(trainer, config)))

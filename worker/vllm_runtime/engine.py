@@ -24,7 +24,6 @@ import shutil
 import tempfile
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +40,6 @@ from worker.torch_runtime.lora_io import LoraWeights, save_adapter
 from worker.vllm_runtime import inplace, inplace_merged, memory_share, merge, translate
 
 log = logging.getLogger(__name__)
-# base model -> the trainer's peak device memory above what it holds now, and the tokens a pass it was measured at
-TrainerNeed = Callable[[str], tuple[int, int]]
 
 
 def configure_environment(config: RuntimeConfig) -> None:
@@ -59,7 +56,7 @@ def configure_environment(config: RuntimeConfig) -> None:
 
 class VllmEngine(Engine):
     def __init__(self, config: RuntimeConfig, catalog: BaseModelCatalog | None = None,
-                 trainer_need: TrainerNeed | None = None) -> None:
+                 trainer_need: memory_share.TrainerNeed | None = None) -> None:
         configure_environment(config)
         self.catalog = catalog or BaseModelCatalog.from_env()
         from worker.vllm_runtime import patches
@@ -318,7 +315,7 @@ class VllmEngine(Engine):
         if setting != "auto":
             return setting
         if self.trainer_need is None:
-            log.info("vLLM memory share for %s: %g (auto, with no trainer in this process to measure)", base_model,
+            log.info("vLLM memory share for %s: %g (auto, with no trainer beside it to measure)", base_model,
                      memory_share.NO_TRAINER_SHARE)
             return memory_share.NO_TRAINER_SHARE
         reserved = max((plan.trainer_peak for plan in self.memory_plans.values()), default=0)

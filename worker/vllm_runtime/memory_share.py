@@ -9,8 +9,8 @@ starts, and gives vLLM what is free less that peak and a margin:
 
     share = (free - trainer peak - margin) / total
 
-An explicit number is passed to vLLM as it is. Where no trainer shares the process (the Ray runtime's engine
-replicas) `auto` is 0.5, as before. On the CPU vLLM takes no share (its KV cache is `TINKERQ_VLLM_CPU_KV_CACHE_GIB`).
+An explicit number is passed to vLLM as it is. A Ray engine replica measures the trainer rank on its own GPU the same
+way (through a Ray call); where no trainer shares the GPU `auto` is 0.5, as before. On the CPU vLLM takes no share (its KV cache is `TINKERQ_VLLM_CPU_KV_CACHE_GIB`).
 """
 
 import logging
@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
+# base model -> the trainer's peak device memory above what it holds now, and the tokens a pass it was measured at
+TrainerNeed = Callable[[str], tuple[int, int]]
 GIB = 2**30
 NO_TRAINER_SHARE = 0.5  # auto where nothing measures a trainer: the fixed share of before
 MAX_SHARE = 0.95  # vLLM's own guidance: leave the driver and the CUDA context some room
