@@ -98,7 +98,8 @@ def settings(args, runtime: str = "torch") -> dict[str, str]:
            "dtype": args.dtype, "vllm_gpu_memory_utilization": args.gpu_memory_utilization,
            "vllm_max_lora_rank": str(args.rank), "vllm_sleep_during_training": str(args.sleep).lower(),
            "vllm_memory_margin_gib": str(args.memory_margin_gib),
-           "train_micro_batch_tokens": str(args.micro_batch_tokens)}
+           "train_micro_batch_tokens": str(args.micro_batch_tokens),
+           "vllm_tensor_parallel_size": str(args.tensor_parallel)}
     if args.eager is not None:
         out["vllm_enforce_eager"] = str(args.eager).lower()
     if runtime == "ray":
@@ -421,6 +422,9 @@ def main() -> None:
     parser.add_argument("--eager", action=argparse.BooleanOptionalAction, default=None,
                         help="vLLM eager (--eager) or CUDA graphs (--no-eager); default: the worker's (graphs on a GPU)")
     parser.add_argument("--sleep", action="store_true", help="vLLM sleep mode during forward passes")
+    parser.add_argument("--tensor-parallel", type=int, default=1,
+                        help="vLLM's tensor parallelism (TINKERQ_VLLM_TENSOR_PARALLEL_SIZE): GPUs 0..k-1 per engine, "
+                             "the in-process worker only")
     parser.add_argument("--resample", action="store_true",
                         help="sample the batch a second time right after the first, untimed in the step: tells a "
                              "slowdown that follows training from one of the worker process itself")
