@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
 
+from worker.torch_runtime.host_copy import copy_to_host
 from worker.torch_runtime.lora_io import Layout, LoraWeights, _packed, _unpacked
 
 log = logging.getLogger(__name__)
@@ -133,9 +134,16 @@ class GroupMember:
 
     def _host_buffers(self) -> list[torch.Tensor]:
         """The staged buffers in host memory, copied once for the broadcast and the record alike (no copy on the
-        CPU)."""
+        CPU). From a GPU through pinned memory: a pageable copy of a 33.6 MiB adapter took 20.9 ms on an H100
+        (bench/RESULTS.md, ipc_check)."""
         if self._on_host is None:
-            self._on_host = [buffer.cpu() for buffer in self._staged[0]]
+            buffers = self._staged[0]
+            if buffers and buffers[0].is_cuda:
+                copied = copy_to_host(buffers)
+                copied.wait()
+                self._on_host = copied.tensors
+            else:
+                self._on_host = list(buffers)
         return self._on_host
 
     # -- a receiver --
