@@ -24,7 +24,7 @@ from tinkerq.config import RuntimeConfig
 from worker.ray_runtime import cluster
 from worker.ray_runtime.boundary import Failed, guarded
 from worker.ray_runtime.weight_group import GroupMember, WeightsMeta
-from worker.torch_runtime.host_copy import copy_to_host
+from worker.torch_runtime.host_copy import tree_to_host
 from worker.torch_runtime.lora_io import LoraWeights
 
 log = logging.getLogger(__name__)
@@ -46,10 +46,9 @@ def free_address() -> tuple[str, int]:
 def _host_copy(weights: LoraWeights) -> LoraWeights:
     """The weights in host memory: from a GPU one copy per dtype through pinned memory (host_copy.py), not one
     pageable copy per tensor."""
-    names = list(weights.tensors)
-    copied = copy_to_host([weights.tensors[name] for name in names])
+    tensors, copied = tree_to_host(weights.tensors)
     copied.wait()
-    return LoraWeights(weights.config, dict(zip(names, copied.tensors, strict=True)))
+    return LoraWeights(weights.config, tensors)
 
 
 def _on_host(leaf: Any) -> Any:

@@ -22,8 +22,7 @@ def engine_name(config: RuntimeConfig) -> str:
     return "vllm" if importlib.util.find_spec("vllm") is not None else "torch"
 
 
-def make_engine(config: RuntimeConfig, bases: BaseModels,
-                need: TrainerNeed | None = None) -> Engine:
+def make_engine(config: RuntimeConfig, bases: BaseModels, need: TrainerNeed | None = None) -> Engine:
     """`need`: the trainer's measured need for a base (bytes above what it holds, tokens a pass), from the trainer
     that shares the engine's GPU; it sizes vLLM's share of it (TINKERQ_VLLM_GPU_MEMORY_UTILIZATION=auto)."""
     if engine_name(config) == "vllm":

@@ -10,7 +10,8 @@ starts, and gives vLLM what is free less that peak and a margin:
     share = (free - trainer peak - margin) / total
 
 An explicit number is passed to vLLM as it is. A Ray engine replica measures the trainer rank on its own GPU the same
-way (through a Ray call); where no trainer shares the GPU `auto` is 0.5, as before. On the CPU vLLM takes no share (its KV cache is `TINKERQ_VLLM_CPU_KV_CACHE_GIB`).
+way (through a Ray call); where no trainer shares the GPU `auto` is 0.5, as before. On the CPU vLLM takes no share
+(its KV cache is `TINKERQ_VLLM_CPU_KV_CACHE_GIB`).
 """
 
 import logging
