@@ -49,6 +49,10 @@ def configure_actor() -> None:
     logging.basicConfig(level=os.environ.get(ACTOR_LOG_LEVEL_ENV, "WARNING"),
                         format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # CleanUpOnly: abort the communicator, raise
+    import torch  # Ray sets OMP_NUM_THREADS=1 for an actor without CPUs of its own: say what torch got
+
+    log.info("torch in this actor uses %d CPU thread(s) (OMP_NUM_THREADS=%s)", torch.get_num_threads(),
+             os.environ.get("OMP_NUM_THREADS"))
 
 
 def disconnect() -> None:
