@@ -135,6 +135,9 @@ class RuntimeConfig(BaseSettings):
     # How a sync reaches the engine replicas: "group", broadcast from trainer rank 0 over a gloo group of their own
     # (worker/ray_runtime/weight_group.py); "object_store", a copy through Ray's object store that each replica reads.
     ray_weight_transport: WeightTransport = "group"
+    # How trainer ranks hold a base: "none", whole on each rank (data parallel); "fsdp", each decoder layer's weights
+    # sharded over the ranks (torch FSDP2), for a base that does not fit one device (worker/ray_runtime/sharding.py).
+    ray_trainer_sharding: Literal["none", "fsdp"] = "none"
     # Test aid for the reference engine: simulated generation time per token.
     reference_delay_per_token_s: float = Field(0.0, ge=0.0)
 

@@ -19,6 +19,21 @@ from worker.runtime.runtime import Runtime
 log = logging.getLogger(__name__)
 
 
+def _refused(config: RuntimeConfig, gpu: bool) -> str | None:
+    """Why these settings cannot run on this placement; None where they can."""
+    if gpu and config.vllm_tensor_parallel_size > 1:
+        # a replica sees the one GPU of its bundle; k GPUs for one replica need bundles of k, which are not built
+        return (f"vllm_tensor_parallel_size={config.vllm_tensor_parallel_size} is not built for the Ray runtime on "
+                "GPUs (each engine replica holds one GPU); the in-process worker spreads its engines over that many "
+                "GPUs")
+    if (gpu and config.ray_trainer_sharding == "fsdp" and config.engine == "vllm"
+            and config.vllm_gpu_memory_utilization == "auto"):
+        # `auto` measures a rank's training pass alone, which over a sharded base would wait for the other ranks
+        return ("ray_trainer_sharding=fsdp on GPUs needs vllm_gpu_memory_utilization set to a number, not auto "
+                "(TINKERQ_VLLM_GPU_MEMORY_UTILIZATION)")
+    return None
+
+
 def make_runtime(config: RuntimeConfig) -> Runtime:
     bundles = max(config.ray_gpus, 1)
     engines = config.ray_engine_replicas or bundles
@@ -27,14 +42,13 @@ def make_runtime(config: RuntimeConfig) -> Runtime:
                                 cpus=config.ray_num_cpus or max(bundles, os.cpu_count() or 1),
                                 namespace=config.ray_namespace)
     placement = cluster.place(bundles)
-    if placement.gpu and config.vllm_tensor_parallel_size > 1:
+    refused = _refused(config, placement.gpu)
+    if refused:
         placement.remove()
         if connected:
             cluster.disconnect()
-        # a replica sees the one GPU of its bundle; k GPUs for one replica need bundles of k, which are not built
-        raise ValueError(f"vllm_tensor_parallel_size={config.vllm_tensor_parallel_size} is not built for the Ray "
-                         "runtime on GPUs (each engine replica holds one GPU); the in-process worker spreads its "
-                         "engines over that many GPUs")
+        raise ValueError(refused)
+    sharded = config.ray_trainer_sharding == "fsdp"
     # named in the worker's namespace also where this process was connected already (by an embedder, or a test
     # holding two runtimes)
     named = {"namespace": config.ray_namespace} if config.ray_namespace else {}
@@ -49,7 +63,8 @@ def make_runtime(config: RuntimeConfig) -> Runtime:
     # each replica sizes vLLM's share of its GPU from the trainer rank on the same bundle, where there is one
     replicas = [ray.remote(EngineReplica).options(**placement.options(i % bundles, share), name=f"engine-{i}", **named,
                                                   max_restarts=config.ray_max_restarts, max_task_retries=0)
-                .remote(config, trainers[i % bundles] if placement.gpu and i % bundles < ranks else None)
+                .remote(config, trainers[i % bundles] if placement.gpu and i % bundles < ranks and not sharded
+                        else None)
                 for i in range(engines)]
     host, port = ray.get(trainers[0].address.remote(), timeout=CALL_TIMEOUT_S)
     ray.get([t.join.remote(host, port) for t in trainers], timeout=CALL_TIMEOUT_S)
@@ -65,4 +80,4 @@ def make_runtime(config: RuntimeConfig) -> Runtime:
 
     # The trainer's transport decides what its exports are (trainers.TRANSPORTS); the engine facade takes either.
     engine = RayEngine(replicas, config.max_snapshots, GroupSync(trainers[0], CALL_TIMEOUT_S), on_close=close)
-    return Runtime(RayTrainer(trainers, Path(config.checkpoint_root), config.ray_weight_transport), engine)
+    return Runtime(RayTrainer(trainers, Path(config.checkpoint_root), config.ray_weight_transport, sharded), engine)

@@ -21,11 +21,11 @@ from torch.utils import _pytree as pytree
 
 from schemas import CreateModelRequest, CustomLoss, ForwardRequest, LoadStateRequest, LoraConfig, OptimStepRequest
 from tinkerq.config import RuntimeConfig
-from worker.ray_runtime import cluster
+from worker.ray_runtime import cluster, sharding
 from worker.ray_runtime.boundary import Failed, guarded
 from worker.ray_runtime.weight_group import GroupMember, WeightsMeta
 from worker.torch_runtime.host_copy import tree_to_host
-from worker.torch_runtime.lora_io import LoraWeights
+from worker.torch_runtime.lora_io import LoraWeights, merged_state
 
 log = logging.getLogger(__name__)
 
@@ -63,17 +63,26 @@ CONCURRENCY_GROUPS = {"io": 1}
 class TrainerRank:
     def __init__(self, config: RuntimeConfig, rank: int, world: int) -> None:
         cluster.configure_actor()
-        from worker.torch_runtime.assembly import make_trainer, set_threads
-        from worker.torch_runtime.base_models import BaseModels
+        from worker.torch_runtime.assembly import set_threads
 
         set_threads(config)
+        self.config = config
         self.rank, self.world = rank, world
+        self.sharded = config.ray_trainer_sharding == "fsdp"
+        self.mesh = None  # the group's, where bases are sharded over it (sharding.py)
         self.incarnation = uuid.uuid4().hex  # a restart by Ray is a new one, holding no models
-        self.trainer = make_trainer(config, BaseModels(config.device, config.dtype))
+        self.trainer = self._new_trainer()
         # per model: each micro-batch's gradients of a forward_backward not yet committed, in order
         self._pending: dict[str, list[list[torch.Tensor | None]]] = {}
         self.weights = GroupMember(self.trainer.bases.device)  # rank 0's place in the weights group (weight_group.py)
         self._writers: dict[str, Any] = {}  # durable checkpoints copied aside, not yet written
+
+    def _new_trainer(self):
+        from worker.torch_runtime.assembly import make_trainer
+        from worker.torch_runtime.base_models import BaseModels
+
+        prepare = (lambda model: sharding.shard_layers(model, self.mesh)) if self.sharded else None
+        return make_trainer(self.config, BaseModels(self.config.device, self.config.dtype, prepare=prepare))
 
     def micro_batch_tokens(self) -> int:
         """The budget its passes are cut at: the driver splits requests along the same micro-batches."""
@@ -91,6 +100,8 @@ class TrainerRank:
         backend = "nccl" if self.trainer.bases.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world,
                                 timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+        if self.sharded:
+            self.mesh = sharding.mesh(self.trainer.bases.device, self.world)
         return os.getpid()
 
     def leave(self) -> None:
@@ -98,6 +109,9 @@ class TrainerRank:
         self._pending.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self.sharded:  # its bases are sharded over the group that is gone: start over, the caller hands it the models
+            self.trainer = self._new_trainer()
+            self.mesh = None
 
     def models_state(self) -> list[ModelState]:
         """Every model this rank holds, on the host: what a restarted rank adopts to hold the same."""
@@ -141,25 +155,28 @@ class TrainerRank:
             return output
         return guarded(create)
 
-    def forward(self, parts: list[ForwardRequest], backward: bool):
+    def forward(self, model_id: str, parts: list[ForwardRequest], backward: bool, fill: int = 0):
         """Each part of this rank's run (a micro-batch, or with one rank the whole request), as the in-process
-        trainer runs it; with `backward`, each one's gradients are kept apart (pending) until `commit` sums every
-        rank's in the request's order, and the adapter's accumulated gradients are left as they were (a failing
-        rank elsewhere means `discard`)."""
+        trainer runs it, then `fill` filler passes (a sharded base's ranks run in lockstep: sharding.py); with
+        `backward`, each part's gradients are kept apart (pending) until `commit` sums every rank's in the request's
+        order, and the adapter's accumulated gradients are left as they were (a failing rank elsewhere means
+        `discard`)."""
+        fillers = [sharding.filler(model_id)] * fill
         if not backward:
-            return guarded(lambda: [self.trainer.forward(p, False) for p in parts])
-        params = self._params(parts[0].model_id) if parts else []
+            return guarded(lambda: [self.trainer.forward(p, False) for p in parts + fillers][:len(parts)])
+        params = self._params(model_id) if parts or fillers else []
         earlier = [p.grad for p in params]
         grads: list[list[torch.Tensor | None]] = []
 
         def run():
             outputs = []
-            for request in parts:
+            for request in parts + fillers:
                 for p in params:
                     p.grad = None
                 outputs.append(self.trainer.forward(request, True))
                 grads.append([p.grad for p in params])
-            return outputs
+            del grads[len(parts):]
+            return outputs[:len(parts)]
 
         started = time.perf_counter()
         try:
@@ -170,7 +187,7 @@ class TrainerRank:
         log.info("rank %d: forward_backward of %d part(s), %d tokens, %.1f ms in the trainer", self.rank, len(parts),
                  sum(len(d.model_input) for p in parts for d in p.data), 1000 * (time.perf_counter() - started))
         if parts and not isinstance(outputs, Failed):
-            self._pending[parts[0].model_id] = grads
+            self._pending[model_id] = grads
         return outputs
 
     def discard(self, model_id: str) -> None:
@@ -270,7 +287,14 @@ class TrainerRank:
         return guarded(lambda: self.trainer.read_sampler_weights(path))
 
     def save_sampler_weights(self, model_id: str, name: str):
-        return guarded(lambda: self.trainer.save_sampler_weights(model_id, name))
+        """Rank 0 writes the archive; over a sharded base the other ranks take part in gathering its weights."""
+        if self.rank == 0:
+            return guarded(lambda: self.trainer.save_sampler_weights(model_id, name))
+        def gather() -> None:
+            trained = self.trainer.models[model_id]
+            merged_state(trained.base, trained.adapter)
+
+        return guarded(gather)
 
     def save_state(self, model_id: str, name: str, include_optimizer: bool):
         return guarded(lambda: self.trainer.save_state(model_id, name, include_optimizer))

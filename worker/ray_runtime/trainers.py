@@ -65,9 +65,10 @@ class RanksLost(RuntimeError):
 
 class RayTrainer(Trainer):
     def __init__(self, ranks: list[ActorHandle], checkpoint_root: Path,
-                 transport: WeightTransport = "object_store") -> None:
+                 transport: WeightTransport = "object_store", sharded: bool = False) -> None:
         self.ranks = ranks
         self.transport = transport
+        self.sharded = sharded  # bases sharded over the ranks (sharding.py): they run every pass in lockstep
         self.root = checkpoint_root.resolve()
         self._bases: dict[str, str] = {}
         # the ranks' pass budget: a request is split along the micro-batches the in-process trainer would make
@@ -117,6 +118,8 @@ class RayTrainer(Trainer):
         restarted = [i for i in range(len(self.ranks)) if i not in survivors]
         log.warning("trainer ranks %s were restarted; re-forming the group%s", restarted,
                     f" from rank {min(survivors)}'s models" if survivors else ", with no survivor")
+        # taken before the group goes: a sharded rank leaving it drops its models with the bases sharded over it
+        state = self.ranks[min(survivors)].models_state.remote() if survivors else None
         _all([rank.leave.remote() for rank in self.ranks])
         host, port = _all([self.ranks[0].address.remote()])[0]
         _all([rank.join.remote(host, port) for rank in self.ranks])
@@ -124,8 +127,8 @@ class RayTrainer(Trainer):
         if not survivors:
             self._bases.clear()
             raise RanksLost("every trainer rank died: the models they held are gone from this worker")
-        state = self.ranks[min(survivors)].models_state.remote()
-        _all([self.ranks[i].adopt.remote(state) for i in restarted])
+        adopting = range(len(self.ranks)) if self.sharded else restarted
+        _all([self.ranks[i].adopt.remote(state) for i in adopting])
         return survivors
 
     def _hello(self, i: int) -> tuple[str, int]:
@@ -168,9 +171,11 @@ class RayTrainer(Trainer):
 
     def forward(self, request: ForwardRequest, backward: bool) -> ForwardBackwardOutput:
         runs = assignment(request, self.micro_batch_tokens, len(self.ranks))
+        passes = max(len(run) for run in runs) if self.sharded else 0
 
         def share(i: int, rank: ActorHandle) -> ray.ObjectRef:
-            return rank.forward.remote([part(request, span) for span in runs[i]], backward)
+            parts = [part(request, span) for span in runs[i]]
+            return rank.forward.remote(request.model_id, parts, backward, max(passes - len(parts), 0))
 
         # a rank lost mid-forward: the others' shares are dropped with the group (`leave`), and it runs again
         started = time.perf_counter()
@@ -214,7 +219,10 @@ class RayTrainer(Trainer):
         return unwrap(self._on_ranks(lambda i, rank: call(rank), rerun=True, ranks=[0])[0])
 
     def save_sampler_weights(self, model_id: str, name: str) -> str:
-        return self._on_rank0(lambda rank: rank.save_sampler_weights.remote(model_id, name))
+        if not self.sharded:
+            return self._on_rank0(lambda rank: rank.save_sampler_weights.remote(model_id, name))
+        # rank 0 writes; the others take part in gathering the base's shards
+        return unwrap(self._on_ranks(lambda i, rank: rank.save_sampler_weights.remote(model_id, name), rerun=True)[0])
 
     def save_state(self, model_id: str, name: str, include_optimizer: bool) -> str:
         return self._on_rank0(lambda rank: rank.save_state.remote(model_id, name, include_optimizer))

@@ -7,6 +7,7 @@ samples of many models and versions at once.
 """
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,11 +85,17 @@ def base_path(catalog: BaseModelCatalog, name: str) -> Path:
         raise DomainError(404, "unknown_base_model", str(exc)) from exc
 
 
+# Run on a base loaded into host memory, before the rest of it moves to the device: shards it (FSDP), say.
+Prepare = Callable[[torch.nn.Module], None]
+
+
 class BaseModels:
-    def __init__(self, device: str = "auto", dtype: str = "auto", catalog: BaseModelCatalog | None = None) -> None:
+    def __init__(self, device: str = "auto", dtype: str = "auto", catalog: BaseModelCatalog | None = None,
+                 prepare: Prepare | None = None) -> None:
         self.catalog = catalog or BaseModelCatalog.from_env()
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.prepare = prepare
         self._loaded: dict[str, LoadedBase] = {}
 
     def loaded(self, name: str) -> LoadedBase | None:
@@ -98,6 +105,9 @@ class BaseModels:
         if name not in self._loaded:
             path = base_path(self.catalog, name)
             tokenizer = AutoTokenizer.from_pretrained(path)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
+            if self.prepare is not None:
+                self.prepare(model)  # a base too big for one device is whole only here, in host memory
+            model = model.to(self.device).eval()
             self._loaded[name] = LoadedBase(name, path, tokenizer, model, self.device)
         return self._loaded[name]

@@ -124,29 +124,45 @@ def load_adapter(directory: Path) -> LoraWeights:
     return LoraWeights(lora, load_file(str(directory / "adapter_model.safetensors")))
 
 
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter as one tensor: one sharded over ranks (FSDP's DTensor) is gathered, which every rank of its group
+    must do at once, in the same order."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def merged_state(base: LoadedBase, adapter: str) -> dict[str, torch.Tensor]:
+    """The base's weights with this adapter merged in, HF-named, in host memory. Over a sharded base every rank of its
+    group calls this at once (each tensor is gathered whole in turn); rank 0 keeps the result."""
+    inner = base.model.base_model.model
+    adapted = {f"{name}.base_layer.weight": module for name, module in inner.named_modules()
+               if isinstance(module, LoraLayer) and adapter in module.lora_A}
+    merged: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for key, value in inner.state_dict().items():
+            if "lora_" in key:
+                continue
+            value = _whole(value)
+            if key in adapted:
+                value = value + adapted[key].get_delta_weight(adapter)
+            merged[key.replace(".base_layer", "")] = value.detach().contiguous().cpu()
+    return merged
+
+
 def save_merged(base: LoadedBase, adapter: str, out: Path) -> None:
     """A full HF-format model (base + this adapter merged): config, safetensors, tokenizer."""
-    inner = base.model.base_model.model
-    merged: dict[str, torch.Tensor] = {}
-    for key, value in inner.state_dict().items():
-        if "lora_" not in key:
-            merged[key.replace(".base_layer", "")] = value
-    adapted: set[str] = set()
-    with torch.no_grad():
-        for name, module in inner.named_modules():
-            if isinstance(module, LoraLayer) and adapter in module.lora_A:
-                merged[f"{name}.weight"] = module.base_layer.weight + module.get_delta_weight(adapter)
-                adapted.add(name)
+    merged = merged_state(base, adapter)
+    lm_head_adapted = adapter in getattr(base.model.base_model.model.lm_head, "lora_A", {})
     config = json.loads((base.path / "config.json").read_text())
     if config.get("tie_word_embeddings"):
         # Tied and untouched: HF stores the embedding once. A trained unembedding is no longer the
         # embedding, so the merged model unties (a tied config would load it as the embedding again).
-        if "lm_head" in adapted:
+        if lm_head_adapted:
             config["tie_word_embeddings"] = False
         else:
             merged.pop("lm_head.weight", None)
-    save_file({k: v.detach().contiguous().cpu() for k, v in merged.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(merged, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for name in TOKENIZER_FILES:
         if (base.path / name).exists():
