@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 # A collective that waits longer than this for a rank has lost it (a dead rank would otherwise hold the others in
 # its all_gather for torch's default of 30 minutes); the caller then re-forms the group.
 GROUP_TIMEOUT_S = 120.0
+# What a trainer rank in a process of its own holds on its GPU outside torch's allocator (its CUDA context, cuBLAS
+# workspaces, the group's NCCL buffers), which the in-process trainer shares with vLLM: 1.27 GiB on an H100 (a rank at
+# an out-of-memory error, 2026-12-07: 13.97 GiB in use, 12.39 allocated, 0.31 reserved), rounded up. Without it the
+# replica beside the rank took the trainer's room and its first forward_backward ran out of memory.
+OWN_PROCESS_BYTES = 2 * 2**30
 # (model id, base model, LoRA config, parameter values, their gradients, optimizer state), all on the host
 ModelState = tuple[str, str, LoraConfig, list[torch.Tensor], list[torch.Tensor | None], dict[str, Any]]
 
@@ -140,8 +145,10 @@ class TrainerRank:
 
     def trainer_need(self, base_model: str, lora_rank: int) -> tuple[int, int]:
         """The device memory a full pass takes above what this rank holds, and its tokens (memory_share.py): what
-        the engine replica on its GPU leaves free for it. CUDA only."""
-        return self.trainer.peak_training_bytes(base_model, lora_rank)
+        the engine replica on its GPU leaves free for it, with the memory a process of its own holds outside torch's
+        allocator (OWN_PROCESS_BYTES). CUDA only."""
+        peak, tokens = self.trainer.peak_training_bytes(base_model, lora_rank)
+        return peak + OWN_PROCESS_BYTES, tokens
 
     def warm(self, base_model: str):
         return guarded(lambda: self.trainer.warm(base_model))
