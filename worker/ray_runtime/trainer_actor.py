@@ -302,6 +302,7 @@ class TrainerRank:
         """Rank 0 writes the archive; over a sharded base the other ranks take part in gathering its weights."""
         if self.rank == 0:
             return guarded(lambda: self.trainer.save_sampler_weights(model_id, name))
+
         def gather() -> None:
             trained = self.trainer.models[model_id]
             merged_state(trained.base, trained.adapter)
