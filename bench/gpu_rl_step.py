@@ -93,7 +93,8 @@ def create_request(args) -> CreateModelRequest:
 
 def settings(args, runtime: str = "torch") -> dict[str, str]:
     """The runtime's settings, for RuntimeConfig in the baseline and as TINKERQ_* for the worker. `runtime` "ray":
-    the Ray runtime on one bundle of the local GPU (an engine replica and a trainer rank as actors sharing it)."""
+    the Ray runtime on one bundle per tensor-parallel GPU (an engine replica over them, a trainer rank on the first,
+    as actors sharing it)."""
     out = {"runtime": "torch", "engine": "vllm", "vllm_sync": args.vllm_sync, "device": args.device,
            "dtype": args.dtype, "vllm_gpu_memory_utilization": args.gpu_memory_utilization,
            "vllm_max_lora_rank": str(args.rank), "vllm_sleep_during_training": str(args.sleep).lower(),
@@ -102,8 +103,8 @@ def settings(args, runtime: str = "torch") -> dict[str, str]:
            "vllm_tensor_parallel_size": str(args.tensor_parallel)}
     if args.eager is not None:
         out["vllm_enforce_eager"] = str(args.eager).lower()
-    if runtime == "ray":
-        out.update(runtime="ray", ray_gpus="1")
+    if runtime == "ray":  # as in process: one trainer (rank) on GPU 0, one engine over GPUs 0..k-1
+        out.update(runtime="ray", ray_gpus=str(args.tensor_parallel), ray_trainer_ranks="1")
     return out
 
 
@@ -424,7 +425,7 @@ def main() -> None:
     parser.add_argument("--sleep", action="store_true", help="vLLM sleep mode during forward passes")
     parser.add_argument("--tensor-parallel", type=int, default=1,
                         help="vLLM's tensor parallelism (TINKERQ_VLLM_TENSOR_PARALLEL_SIZE): GPUs 0..k-1 per engine, "
-                             "the in-process worker only")
+                             "in process and on Ray")
     parser.add_argument("--resample", action="store_true",
                         help="sample the batch a second time right after the first, untimed in the step: tells a "
                              "slowdown that follows training from one of the worker process itself")

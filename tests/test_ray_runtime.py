@@ -50,9 +50,9 @@ def ray_cluster():
 def config(root, **extra) -> RuntimeConfig:
     # One torch thread everywhere: CPU kernels split their sums over threads, so the in-process runtime and the
     # actors compute bitwise alike only at equal thread counts (Ray gives each actor 1).
-    return RuntimeConfig(runtime=extra.pop("runtime", "torch"), engine="torch", device="cpu", dtype="float32",
-                         checkpoint_root=str(root), max_snapshots=3, train_micro_batch_tokens=MICRO_BATCH_TOKENS,
-                         torch_threads=1, **extra)
+    return RuntimeConfig(runtime=extra.pop("runtime", "torch"), engine=extra.pop("engine", "torch"), device="cpu",
+                         dtype="float32", checkpoint_root=str(root), max_snapshots=3,
+                         train_micro_batch_tokens=MICRO_BATCH_TOKENS, torch_threads=1, **extra)
 
 
 @pytest.fixture(scope="module")

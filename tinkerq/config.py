@@ -103,7 +103,8 @@ class RuntimeConfig(BaseSettings):
     vllm_cpu_kv_cache_gib: float = Field(1.0, gt=0.0)
     # vLLM's tensor parallelism: each engine spreads its base over this many devices (workers of vLLM's own
     # multiprocessing executor), for a base whose weights and KV cache do not fit one GPU. The in-process worker's
-    # engines take GPUs 0..k-1 beside its trainer on GPU 0; on the CPU the workers split the cores.
+    # engines take GPUs 0..k-1 beside its trainer on GPU 0; a Ray replica takes the GPUs of k bundles of one node; on
+    # the CPU the workers split the cores.
     vllm_tensor_parallel_size: int = Field(1, ge=1)
     # None: CUDA graphs on a GPU (3.7-9x the tokens/s of eager on the H200; capturing them slows start-up),
     # eager on the CPU.

@@ -19,13 +19,12 @@ from worker.runtime.runtime import Runtime
 log = logging.getLogger(__name__)
 
 
-def _refused(config: RuntimeConfig, gpu: bool) -> str | None:
+def _refused(config: RuntimeConfig, gpu: bool, bundles: int, engines: int) -> str | None:
     """Why these settings cannot run on this placement; None where they can."""
-    if gpu and config.vllm_tensor_parallel_size > 1:
-        # a replica sees the one GPU of its bundle; k GPUs for one replica need bundles of k, which are not built
-        return (f"vllm_tensor_parallel_size={config.vllm_tensor_parallel_size} is not built for the Ray runtime on "
-                "GPUs (each engine replica holds one GPU); the in-process worker spreads its engines over that many "
-                "GPUs")
+    tp = config.vllm_tensor_parallel_size
+    if tp > 1 and engines * tp > bundles:
+        return (f"{engines} engine replica(s) of vllm_tensor_parallel_size={tp} need {engines * tp} bundles; the "
+                f"placement has {bundles} (TINKERQ_RAY_GPUS)")
     if (gpu and config.ray_trainer_sharding == "fsdp" and config.engine == "vllm"
             and config.vllm_gpu_memory_utilization == "auto"):
         # `auto` measures a rank's training pass alone, which over a sharded base would wait for the other ranks
@@ -36,13 +35,21 @@ def _refused(config: RuntimeConfig, gpu: bool) -> str | None:
 
 def make_runtime(config: RuntimeConfig) -> Runtime:
     bundles = max(config.ray_gpus, 1)
-    engines = config.ray_engine_replicas or bundles
+    tp = config.vllm_tensor_parallel_size  # each replica spans tp bundles (its engine's GPUs, one node)
+    engines = config.ray_engine_replicas or max(bundles // tp, 1)
     ranks = config.ray_trainer_ranks or bundles
     connected = cluster.connect(config.ray_address or None,
                                 cpus=config.ray_num_cpus or max(bundles, os.cpu_count() or 1),
                                 namespace=config.ray_namespace)
     placement = cluster.place(bundles)
-    refused = _refused(config, placement.gpu)
+    # Replica i sits on bundle i*tp and, with tensor parallelism, uses the GPUs of bundles i*tp..i*tp+tp-1.
+    firsts = [i * tp % bundles for i in range(engines)]
+    refused, devices = _refused(config, placement.gpu, bundles, engines), []
+    if not refused:
+        try:
+            devices = [placement.devices(b, tp) for b in firsts]
+        except ValueError as exc:  # a replica's bundles span nodes
+            refused = str(exc)
     if refused:
         placement.remove()
         if connected:
@@ -60,12 +67,11 @@ def make_runtime(config: RuntimeConfig) -> Runtime:
     trainers = [rank_actor.options(**placement.options(i % bundles, share), name=f"trainer-{i}", **named,
                                    max_restarts=config.ray_max_restarts, max_task_retries=0)
                 .remote(config, i, ranks) for i in range(ranks)]
-    # each replica sizes vLLM's share of its GPU from the trainer rank on the same bundle, where there is one
-    replicas = [ray.remote(EngineReplica).options(**placement.options(i % bundles, share), name=f"engine-{i}", **named,
+    # each replica sizes vLLM's share of its GPUs from the trainer rank on its own bundle, where there is one
+    replicas = [ray.remote(EngineReplica).options(**placement.options(b, share), name=f"engine-{i}", **named,
                                                   max_restarts=config.ray_max_restarts, max_task_retries=0)
-                .remote(config, trainers[i % bundles] if placement.gpu and i % bundles < ranks and not sharded
-                        else None)
-                for i in range(engines)]
+                .remote(config, trainers[b] if placement.gpu and b < ranks and not sharded else None, devices[i])
+                for i, b in enumerate(firsts)]
     host, port = ray.get(trainers[0].address.remote(), timeout=CALL_TIMEOUT_S)
     ray.get([t.join.remote(host, port) for t in trainers], timeout=CALL_TIMEOUT_S)
     log.info("Ray runtime: %d bundles (%s), %d engine replicas, %d trainer ranks, weights by %s", bundles,

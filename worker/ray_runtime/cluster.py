@@ -7,7 +7,7 @@ import threading
 from dataclasses import dataclass
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 
 log = logging.getLogger(__name__)
 # the worker's log level, for its actors: their INFO lines (vLLM's engine runs, memory plans) reach the worker's log
@@ -81,6 +81,29 @@ class Placement:
         strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle,
                                                     placement_group_capture_child_tasks=True)
         return {**resources, "scheduling_strategy": strategy}
+
+    def devices(self, first: int, count: int) -> list[str] | None:
+        """The GPUs of bundles first..first+count-1, as their node numbers them (what CUDA_VISIBLE_DEVICES lists there),
+        for one process that uses them all: a tensor-parallel engine replica. None where Ray's own assignment serves
+        (one bundle) or there are no GPUs. The bundles must share a node (ValueError)."""
+        if count == 1:
+            return None
+        bundles = [(first + k) % self.bundles for k in range(count)]
+        nodes = {placement_group_table(self.group)["bundles_to_node_id"][b] for b in bundles}
+        if len(nodes) > 1:
+            raise ValueError(f"bundles {bundles} span {len(nodes)} nodes: a tensor-parallel engine needs its GPUs "
+                             "on one node (vLLM's multiprocessing executor)")
+        if not self.gpu:
+            return None
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        @ray.remote(num_gpus=0.01, num_cpus=0)
+        def gpu() -> str:
+            return str(ray.get_gpu_ids()[0])
+
+        on = [PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=b) for b in bundles]
+        return ray.get([gpu.options(scheduling_strategy=strategy).remote() for strategy in on],
+                       timeout=READY_TIMEOUT_S)
 
     def remove(self) -> None:
         remove_placement_group(self.group)

@@ -28,9 +28,13 @@ NEED_TIMEOUT_S = 600.0  # the trainer rank's dry run (it loads the base first wh
 
 
 class EngineReplica:
-    def __init__(self, config: RuntimeConfig, beside: ActorHandle | None = None) -> None:
+    def __init__(self, config: RuntimeConfig, beside: ActorHandle | None = None,
+                 devices: list[str] | None = None) -> None:
         """`beside`: the trainer rank on this replica's GPU, whose measured need sizes vLLM's share of it, as the
-        in-process runtime's trainer does (TINKERQ_VLLM_GPU_MEMORY_UTILIZATION=auto)."""
+        in-process runtime's trainer does (TINKERQ_VLLM_GPU_MEMORY_UTILIZATION=auto). `devices`: the GPUs of a
+        tensor-parallel engine (its own bundle's first), which vLLM's worker processes take one each."""
+        if devices:  # before anything initialises CUDA here; Ray made only this bundle's GPU visible
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
         cluster.configure_actor()
         from worker.torch_runtime.assembly import make_engine, set_threads
         from worker.torch_runtime.base_models import BaseModels
