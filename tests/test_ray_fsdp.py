@@ -4,10 +4,7 @@ request's micro-batches split unevenly over the ranks (the rank with fewer runs 
 gather takes every rank), for forward-only calls, for a named sync's merged weights (gathered from the shards), and
 after a rank was killed mid-step (every rank loads its shards again for the re-formed group)."""
 
-import os
-import signal
 import tarfile
-import threading
 
 import pytest
 import ray
@@ -16,7 +13,16 @@ from safetensors.torch import load
 from torch.distributed.tensor import DTensor
 
 from schemas import AdamParams, ForwardBackwardRequest, ForwardRequest, OptimStepRequest, WeightSyncRequest
-from test_ray_runtime import MICRO_BATCH_TOKENS, PROMPTS, adapter, config, create, datum, same_adapter
+from test_ray_runtime import (
+    MICRO_BATCH_TOKENS,
+    PROMPTS,
+    adapter,
+    config,
+    create,
+    datum,
+    same_adapter,
+    steps_through_a_kill,
+)
 from worker.ray_runtime import cluster
 from worker.ray_runtime.data_parallel import assignment
 from worker.runtimes import build_runtime
@@ -105,17 +111,7 @@ def test_a_sharded_rank_killed_mid_step_comes_back_and_every_rank_reshards(runti
         create(rt, model)
     rank = sharded.trainer.ranks[1]
     before, pid = ray.get(rank.hello.remote(), timeout=60)
-    for k, (fb, opt) in enumerate(rounds(model, 2)):
-        expected = local.execute(fb), local.execute(opt)
-        outcome: dict = {}
-        call = threading.Thread(target=lambda: outcome.update(fb=sharded.execute(fb)))
-        call.start()
-        if k == 0:
-            os.kill(pid, signal.SIGKILL)
-        call.join(timeout=300)
-        assert not call.is_alive() and "fb" in outcome
-        assert (outcome["fb"], sharded.execute(opt)) == expected
-        assert same_adapter(adapter(local, model), adapter(sharded, model))
+    steps_through_a_kill(local, sharded, rounds(model, 2), pid)
     assert ray.get(rank.hello.remote(), timeout=60)[0] != before
     if local.trainer.has_model("fsdp:train:0"):  # a model trained before the kill came along too
         assert same_adapter(adapter(local, "fsdp:train:0"), adapter(sharded, "fsdp:train:0"))

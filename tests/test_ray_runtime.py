@@ -384,6 +384,24 @@ def test_a_ray_client_address_is_refused_before_ray_starts(monkeypatch):
         cluster.connect("ray://head:10001")
 
 
+def steps_through_a_kill(local, distributed, steps: list[tuple[ForwardBackwardRequest, OptimStepRequest]],
+                         pid: int) -> None:
+    """Each (forward_backward, optim_step) on both runtimes, the process `pid` SIGKILLed as the first forward_backward
+    starts: every answer (outputs, loss, the step's metrics) and the adapter after each step as in process."""
+    model = steps[0][0].model_id
+    for k, (fb, opt) in enumerate(steps):
+        expected = local.execute(fb), local.execute(opt)
+        outcome: dict = {}
+        call = threading.Thread(target=lambda: outcome.update(fb=distributed.execute(fb)))
+        call.start()
+        if k == 0:
+            os.kill(pid, signal.SIGKILL)
+        call.join(timeout=300)
+        assert not call.is_alive() and "fb" in outcome
+        assert (outcome["fb"], distributed.execute(opt)) == expected
+        assert same_adapter(adapter(local, model), adapter(distributed, model))
+
+
 @pytest.mark.parametrize("killed", [0, 1])
 def test_a_trainer_rank_killed_mid_step_comes_back_holding_the_models(runtimes, killed):
     """A trainer rank's process SIGKILLed as a forward_backward starts is restarted by Ray; the group is re-formed
@@ -395,21 +413,12 @@ def test_a_trainer_rank_killed_mid_step_comes_back_holding_the_models(runtimes, 
         create(rt, model)
     rank = distributed.trainer.ranks[killed]
     before, pid = ray.get(rank.hello.remote(), timeout=60)
+    steps = []
     for round_ in range(2):
         data = [datum(p, [40 + round_, 41, 42], 1.0 if k % 2 else -0.5) for k, p in enumerate(PROMPTS)]
-        fb_request = ForwardBackwardRequest(model_id=model, data=data, loss_fn="importance_sampling")
-        opt_request = OptimStepRequest(model_id=model, adam_params=AdamParams(learning_rate=0.05))
-        expected = local.execute(fb_request), local.execute(opt_request)
-        outcome: dict = {}
-        call = threading.Thread(target=lambda: outcome.update(fb=distributed.execute(fb_request)))
-        call.start()
-        if round_ == 0:
-            os.kill(pid, signal.SIGKILL)
-        call.join(timeout=300)
-        assert not call.is_alive() and "fb" in outcome
-        got = outcome["fb"], distributed.execute(opt_request)
-        assert got == expected  # outputs, loss and the step's metrics
-        assert same_adapter(adapter(local, model), adapter(distributed, model))
+        steps.append((ForwardBackwardRequest(model_id=model, data=data, loss_fn="importance_sampling"),
+                      OptimStepRequest(model_id=model, adam_params=AdamParams(learning_rate=0.05))))
+    steps_through_a_kill(local, distributed, steps, pid)
     after, new_pid = ray.get(rank.hello.remote(), timeout=60)
     assert (after, new_pid) != (before, pid) and distributed.trainer.incarnations[killed] == after
     # every model the ranks held came along, not only the one trained here
