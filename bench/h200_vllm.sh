@@ -45,11 +45,14 @@ rl_step)
   shift
   start_redis
   tag=${TAG:-rl_step}
+  # the files name the card they ran on (h200, h100, ...): a device call may get either
+  card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE 'h[0-9]+' | head -1 | tr 'A-Z' 'a-z' || true)
+  card=${card:-gpu}
   status=0
-  REDIS_URL=redis://127.0.0.1:6390/0 python3 bench/gpu_rl_step.py --device cuda --tag "h200-$tag" "$@" \
+  REDIS_URL=redis://127.0.0.1:6390/0 python3 bench/gpu_rl_step.py --device cuda --tag "$card-$tag" "$@" \
     >"$OUT/$tag.log" 2>&1 || { status=1; tail -60 "$OUT/$tag.log"; }
   sed -n '/^RL step through/,$p' "$OUT/$tag.log"
-  cp bench/results/gpu_rl_step-h200-"$tag".* "$OUT"/ 2>/dev/null || true
+  cp bench/results/gpu_rl_step-"$card-$tag".* "$OUT"/ 2>/dev/null || true
   # the worker's and the baseline's own logs (memory share, KV cache size, sleep/wake times)
   logs=$(sed -n 's/.*logs in \(.*\)$/\1/p' "$OUT/$tag.log" | head -1)
   [ -n "$logs" ] && for f in worker-torch.log worker-ray.log baseline.log; do
