@@ -9,11 +9,7 @@ import tarfile
 import pytest
 import ray
 import torch
-from safetensors.torch import load
-from torch.distributed.tensor import DTensor
-
-from schemas import AdamParams, ForwardBackwardRequest, ForwardRequest, OptimStepRequest, WeightSyncRequest
-from test_ray_runtime import (
+from ray_helpers import (
     MICRO_BATCH_TOKENS,
     PROMPTS,
     adapter,
@@ -23,6 +19,10 @@ from test_ray_runtime import (
     same_adapter,
     steps_through_a_kill,
 )
+from safetensors.torch import load
+from torch.distributed.tensor import DTensor
+
+from schemas import AdamParams, ForwardBackwardRequest, ForwardRequest, OptimStepRequest, WeightSyncRequest
 from worker.ray_runtime import cluster
 from worker.ray_runtime.data_parallel import assignment
 from worker.runtimes import build_runtime
