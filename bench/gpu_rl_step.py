@@ -72,7 +72,8 @@ DEFAULTS = {"cuda": dict(model="randq-0.5b", dtype="bfloat16", prompts=256, max_
             "cpu": dict(model="tinyq-micro", dtype="float32", prompts=16, max_tokens=16, prompt_len=16, steps=3,
                         warmup=1, raw_rounds=3, rank=8)}
 # what the worker's log says about its memory and sleep mode, kept in the JSON
-LOG_LINES = re.compile(r"vLLM memory share|fall asleep|wake up tags|Sleep mode freed|KV cache|engine run:")
+LOG_LINES = re.compile(r"vLLM memory share|engine's weights|keeps its own copy|fall asleep|wake up tags|Sleep mode freed|"
+                       r"KV cache|engine run:")
 
 
 def prompts(args) -> list[list[int]]:
@@ -100,7 +101,7 @@ def settings(args, runtime: str = "torch") -> dict[str, str]:
            "vllm_max_lora_rank": str(args.rank), "vllm_sleep_during_training": str(args.sleep).lower(),
            "vllm_memory_margin_gib": str(args.memory_margin_gib),
            "train_micro_batch_tokens": str(args.micro_batch_tokens),
-           "vllm_tensor_parallel_size": str(args.tensor_parallel)}
+           "vllm_tensor_parallel_size": str(args.tensor_parallel), "vllm_share_base": str(args.share_base).lower()}
     if args.eager is not None:
         out["vllm_enforce_eager"] = str(args.eager).lower()
     if runtime == "ray":  # as in process: one trainer (rank) on GPU 0, one engine over GPUs 0..k-1
@@ -423,6 +424,8 @@ def main() -> None:
     parser.add_argument("--eager", action=argparse.BooleanOptionalAction, default=None,
                         help="vLLM eager (--eager) or CUDA graphs (--no-eager); default: the worker's (graphs on a GPU)")
     parser.add_argument("--sleep", action="store_true", help="vLLM sleep mode during forward passes")
+    parser.add_argument("--share-base", action=argparse.BooleanOptionalAction, default=True,
+                        help="TINKERQ_VLLM_SHARE_BASE: the trainer reads the base from the engine's weights")
     parser.add_argument("--tensor-parallel", type=int, default=1,
                         help="vLLM's tensor parallelism (TINKERQ_VLLM_TENSOR_PARALLEL_SIZE): GPUs 0..k-1 per engine, "
                              "in process and on Ray")
@@ -476,7 +479,7 @@ def main() -> None:
     for runtime, run in runs.items():
         print_table(args, run["summary"], runtime)
         for line in run["worker_log"]:
-            if "memory share" in line:
+            if re.search(r"memory share|engine's weights|keeps its own copy", line):
                 print(f"worker: {line}")
     comparison = ray_comparison(runs)
     name = "gpu_rl_step" + (f"-{args.tag}" if args.tag else "")

@@ -135,7 +135,7 @@ def build_runtime(config: RuntimeConfig) -> tuple[Runtime, TimedTrainer]:
     bases = BaseModels(config.device, config.dtype, BaseModelCatalog.from_env())
     plain = make_trainer(config, bases)
     trainer = TimedTrainer(bases, plain.root, plain.options)
-    return Runtime(trainer, make_engine(config, bases)), trainer
+    return Runtime(trainer, make_engine(config, bases, trainer=trainer)), trainer
 
 
 def wait_http(url: str, proc: subprocess.Popen) -> None:

@@ -10,6 +10,7 @@ import os
 import random
 
 import pytest
+import torch
 
 if importlib.util.find_spec("vllm") is None:
     if os.environ.get("TINKERQ_REQUIRE_VLLM") == "1":  # make test sets it where it installed a vLLM extra
@@ -36,6 +37,8 @@ from worker.torch_runtime.base_models import BaseModels  # noqa: E402
 from worker.torch_runtime.engine import TorchEngine  # noqa: E402
 from worker.torch_runtime.trainer import TorchTrainer  # noqa: E402
 from worker.vllm_runtime.engine import VllmEngine  # noqa: E402
+from worker.vllm_runtime.inplace import worker_of  # noqa: E402
+from worker.vllm_runtime.shared_base import base_parameters  # noqa: E402
 
 BASE = "tinyq-micro"
 TOLERANCE = 1e-4
@@ -51,12 +54,14 @@ LONG_PROMPT = [random.Random(7).randrange(3, 2000) for _ in range(300)]
 class Pair:
     """A runtime on the vLLM engine and one on the PyTorch engine, over one trainer."""
 
-    def __init__(self, tmp_path, sync: str, **settings) -> None:
+    def __init__(self, tmp_path, sync: str, share: bool = False, **settings) -> None:
+        """`share`: the trainer's base weights are views of the vLLM engine's (shared_base.py), as in the worker."""
         config = RuntimeConfig(runtime="torch", engine="vllm", vllm_sync=sync, checkpoint_root=str(tmp_path),
                                max_snapshots=3, vllm_max_loras=3, vllm_max_lora_rank=16, **settings)
         bases = BaseModels("cpu", "float32")
         self.trainer = TorchTrainer(bases, tmp_path)
-        self.vllm = Runtime(self.trainer, VllmEngine(config))
+        trainer_model = (lambda base: bases.get(base).model) if share else None
+        self.vllm = Runtime(self.trainer, VllmEngine(config, trainer_model=trainer_model))
         self.torch = Runtime(self.trainer, TorchEngine(bases, max_snapshots=3))
         self.count = 0
 
@@ -409,3 +414,51 @@ def test_a_tensor_parallel_engine_serves_what_the_pytorch_engine_serves(sync, tm
         assert llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == 2
     finally:
         pair.close()
+
+
+def test_the_trainer_reads_its_base_from_the_engines_weights_and_trains_and_serves_as_with_its_own(lora, tmp_path):
+    """TINKERQ_VLLM_SHARE_BASE (on in the worker): every base weight of the trainer lies in the vLLM engine's own
+    tensors (one copy, not two), and the trainer computes on them what a trainer with its own copy computes, bit for
+    bit, over steps and syncs; the engine serves each sync's weights as before; training writes nothing into the
+    base."""
+    shared = Pair(tmp_path, "lora", share=True)
+    try:
+        ours, theirs = shared.new_model(seed=41, train_unembed=True), lora.new_model(seed=41, train_unembed=True)
+        engine_model = worker_of(shared.vllm.engine.llms[BASE]).model_runner.get_model()
+        engine_memory = {p.untyped_storage().data_ptr() for p in engine_model.parameters()}
+        trainer_base = base_parameters(shared.trainer.bases.get(BASE).model)
+        assert len(trainer_base) > 10
+        assert all(p.untyped_storage().data_ptr() in engine_memory for p in trainer_base.values())
+        on_disk = {name: p.detach().clone() for name, p in base_parameters(lora.trainer.bases.get(BASE).model).items()}
+        assert on_disk.keys() == trainer_base.keys()
+        version, before = 0, scores(shared.vllm, ours, 0)
+        for _ in range(2):
+            assert shared.train_and_sync(ours, version, lr=0.2) == lora.train_and_sync(theirs, version, lr=0.2)
+            version += 1
+            trainer = shared.trainer_logprobs(ours, PROMPT, COMPLETION)
+            assert list(trainer) == list(lora.trainer_logprobs(theirs, PROMPT, COMPLETION))
+            assert all(torch.equal(a, b) for a, b in zip(shared.trainer.export_weights(ours).tensors.values(),
+                                                         lora.trainer.export_weights(theirs).tensors.values()))
+            # served: the sync's weights, as the engine with its own copy serves them (its kernel is torch's plain
+            # linear here, the other's oneDNN: both 1.5e-4 from the trainer on logprobs near -50 after lr 0.2)
+            now = scores(shared.vllm, ours, version)
+            assert max_diff(now, scores(lora.vllm, theirs, version)) < TOLERANCE
+            assert max_diff(now, trainer) < TOLERANCE * max(1.0, *(abs(x) for x in trainer))
+            assert max_diff(now, before) > 100 * TOLERANCE
+            before = now
+        assert all(torch.equal(p, on_disk[name]) for name, p in trainer_base.items())
+    finally:
+        shared.close()
+        lora.vllm.engine.remove_model(theirs)
+
+
+@pytest.mark.parametrize("settings, why", [
+    (dict(vllm_sync="merged"), "merged sync"),
+    (dict(vllm_tensor_parallel_size=2), "tensor parallelism"),
+    (dict(vllm_share_base=False), "TINKERQ_VLLM_SHARE_BASE=false"),
+])
+def test_where_the_engine_writes_moves_or_spreads_its_base_the_trainer_keeps_its_own(settings, why):
+    config = RuntimeConfig(runtime="torch", engine="vllm", **settings)
+    engine = VllmEngine(config, trainer_model=lambda base: pytest.fail("no share, no trainer model"))
+    assert why in engine.share_refusal()
+    assert VllmEngine(RuntimeConfig(runtime="torch", engine="vllm")).share_refusal() == "no trainer in this process"

@@ -100,6 +100,10 @@ class RuntimeConfig(BaseSettings):
     # its weights (to host memory, level 1), and takes them back before its next sample or sync. One base per worker
     # (vLLM's allocator serves one engine a process); GPU only; costs a copy of the weights each way.
     vllm_sleep_during_training: bool = False
+    # One copy of a base on the device: the in-process trainer's base weights are views of the vLLM engine's (LoRA
+    # sync never changes them; worker/vllm_runtime/shared_base.py). Off, or where the engine writes or moves its base
+    # (merged sync, sleep mode, tensor parallelism) or lives in other processes (Ray replicas), each holds its own.
+    vllm_share_base: bool = True
     vllm_cpu_kv_cache_gib: float = Field(1.0, gt=0.0)
     # vLLM's tensor parallelism: each engine spreads its base over this many devices (workers of vLLM's own
     # multiprocessing executor), for a base whose weights and KV cache do not fit one GPU. The in-process worker's

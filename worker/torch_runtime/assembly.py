@@ -22,13 +22,16 @@ def engine_name(config: RuntimeConfig) -> str:
     return "vllm" if importlib.util.find_spec("vllm") is not None else "torch"
 
 
-def make_engine(config: RuntimeConfig, bases: BaseModels, need: TrainerNeed | None = None) -> Engine:
+def make_engine(config: RuntimeConfig, bases: BaseModels, need: TrainerNeed | None = None,
+                trainer: TorchTrainer | None = None) -> Engine:
     """`need`: the trainer's measured need for a base (bytes above what it holds, tokens a pass), from the trainer
-    that shares the engine's GPU; it sizes vLLM's share of it (TINKERQ_VLLM_GPU_MEMORY_UTILIZATION=auto)."""
+    that shares the engine's GPU; it sizes vLLM's share of it (TINKERQ_VLLM_GPU_MEMORY_UTILIZATION=auto).
+    `trainer`: the trainer in this process: vLLM serves both from one copy of a base (shared_base.py)."""
     if engine_name(config) == "vllm":
         from worker.vllm_runtime.engine import VllmEngine
 
-        return VllmEngine(config, bases.catalog, need)
+        trainer_model = None if trainer is None else (lambda base: trainer.bases.get(base).model)
+        return VllmEngine(config, bases.catalog, need, trainer_model)
     return TorchEngine(bases, config.max_snapshots)
 
 
@@ -64,4 +67,4 @@ def make_runtime(config: RuntimeConfig) -> Runtime:
     set_threads(config)
     bases = BaseModels(config.device, config.dtype, BaseModelCatalog.from_env())
     trainer = make_trainer(config, bases)
-    return Runtime(trainer, make_engine(config, bases, trainer_need(trainer, config)))
+    return Runtime(trainer, make_engine(config, bases, trainer_need(trainer, config), trainer))

@@ -24,6 +24,7 @@ import shutil
 import tempfile
 import time
 from collections import OrderedDict, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from worker.runtime.process_activity import Activity
 from worker.torch_runtime.base_models import base_path, resolve_device, resolve_dtype
 from worker.torch_runtime.lora_io import LoraWeights, save_adapter
 from worker.vllm_runtime import inplace, inplace_merged, memory_share, merge, translate
+from worker.vllm_runtime.shared_base import SharedBase
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +58,11 @@ def configure_environment(config: RuntimeConfig) -> None:
 
 class VllmEngine(Engine):
     def __init__(self, config: RuntimeConfig, catalog: BaseModelCatalog | None = None,
-                 trainer_need: memory_share.TrainerNeed | None = None) -> None:
+                 trainer_need: memory_share.TrainerNeed | None = None,
+                 trainer_model: Callable[[str], torch.nn.Module] | None = None) -> None:
+        """`trainer_need`: the trainer's measured need for a base, beside the engine on its GPU (memory_share.py).
+        `trainer_model`: the trainer's model of a base (loaded if need be), in this process: its base weights become
+        views of the engine's (shared_base.py, TINKERQ_VLLM_SHARE_BASE)."""
         configure_environment(config)
         self.catalog = catalog or BaseModelCatalog.from_env()
         from worker.vllm_runtime import patches
@@ -95,6 +101,8 @@ class VllmEngine(Engine):
         # sleep mode (GPU only): asleep from a trainer's forward pass (make_room) to the engine's next call
         self.sleep_mode = config.vllm_sleep_during_training and self.device.type == "cuda"
         self.asleep = False
+        self.trainer_model = trainer_model
+        self.shared: dict[str, SharedBase] = {}  # base -> the trainer's parameters that are views of the engine's
 
     # -- models and snapshots -------------------------------------------------------------------
 
@@ -267,11 +275,12 @@ class VllmEngine(Engine):
                 writer.forget()  # the reload wrote every weight: the writer's record of them is stale
         self.epochs[base_model] = self.epochs.get(base_model, 0) + 1  # cached prefixes hold the old weights' KV
 
-    def _plain_linear(self) -> Any:
-        """CPU vLLM packs linear weights into kernel-private copies; merged mode writes them in place."""
+    def _plain_linear(self, shared: bool = False) -> Any:
+        """CPU vLLM packs linear weights into kernel-private copies; merged mode writes them in place, and a trainer
+        sharing the base reads them."""
         from worker.vllm_runtime import patches
 
-        return patches.cpu_plain_linear(self.merged and self.inplace and self.device.type == "cpu")
+        return patches.cpu_plain_linear(((self.merged and self.inplace) or shared) and self.device.type == "cpu")
 
     def _base_weights(self, base_model: str) -> dict[str, torch.Tensor]:
         if base_model not in self.base_weights:
@@ -293,8 +302,9 @@ class VllmEngine(Engine):
         path = self._path(base_model)
         kwargs: dict[str, Any] = dict(model=str(path), dtype=str(self.dtype).removeprefix("torch."), seed=0,
                                       enforce_eager=self._eager(), enable_prefix_caching=True)
+        shared = self._shared_base(base_model)
         if self.device.type == "cuda":
-            kwargs["gpu_memory_utilization"] = self._share(base_model)
+            kwargs["gpu_memory_utilization"] = self._share(base_model, shared)
             if self.sleep_mode:
                 kwargs["enable_sleep_mode"] = True
         if self.config.vllm_tensor_parallel_size > 1:
@@ -306,11 +316,50 @@ class VllmEngine(Engine):
             kwargs.update(enable_lora=True, max_loras=self.config.vllm_max_loras,
                           max_lora_rank=self.config.vllm_max_lora_rank,
                           max_cpu_loras=max(1024, self.config.vllm_max_loras))
-        with self._plain_linear():
-            return LLM(**kwargs)
+        if shared is None:
+            with self._plain_linear():
+                return LLM(**kwargs)
+        try:
+            shared.park()
+            with self._plain_linear(shared=True):
+                llm = LLM(**kwargs)
+            shared.lend(llm)
+        except BaseException as exc:
+            shared.restore()
+            if isinstance(exc, (AttributeError, KeyError, ValueError)):
+                raise RuntimeError(f"the trainer cannot read {base_model!r} from the vLLM engine's weights ({exc}): "
+                                   "set TINKERQ_VLLM_SHARE_BASE=false to give each its own copy") from exc
+            raise
+        self.shared[base_model] = shared
+        log.info("the trainer reads %s from the vLLM engine's weights: %.2f GiB held once, not twice", base_model,
+                 shared.nbytes / memory_share.GIB)
+        return llm
 
-    def _share(self, base_model: str) -> float:
-        """vLLM's gpu_memory_utilization for the engine of `base_model` (memory_share.py)."""
+    def _shared_base(self, base_model: str) -> SharedBase | None:
+        """The trainer's base parameters where they can be the engine's (shared_base.py), else None."""
+        refusal = self.share_refusal()
+        if refusal is not None:
+            log.info("the trainer keeps its own copy of %s: %s", base_model, refusal)
+            return None
+        return SharedBase(self.trainer_model(base_model), self.device)
+
+    def share_refusal(self) -> str | None:
+        """Why the trainer's base cannot be the engine's here; None where it can."""
+        if not self.config.vllm_share_base:
+            return "TINKERQ_VLLM_SHARE_BASE=false"
+        if self.trainer_model is None:
+            return "no trainer in this process"
+        if self.merged:
+            return "merged sync writes the engine's base"
+        if self.sleep_mode:
+            return "sleep mode moves the engine's weights to host memory while the trainer runs"
+        if self.config.vllm_tensor_parallel_size > 1:
+            return "tensor parallelism holds the engine's weights in other processes"
+        return None
+
+    def _share(self, base_model: str, shared: SharedBase | None = None) -> float:
+        """vLLM's gpu_memory_utilization for the engine of `base_model` (memory_share.py). `shared`: the trainer's
+        copy of the base, which leaves the device once the trainer's peak is measured."""
         setting = self.config.vllm_gpu_memory_utilization
         if setting != "auto":
             return setting
@@ -319,8 +368,13 @@ class VllmEngine(Engine):
                      memory_share.NO_TRAINER_SHARE)
             return memory_share.NO_TRAINER_SHARE
         reserved = max((plan.trainer_peak for plan in self.memory_plans.values()), default=0)
-        plan = memory_share.measured_share(base_model, lambda: self.trainer_need(base_model),
-                                           lambda: memory_share.cuda_mem_info(self.device),
+
+        def mem_info() -> tuple[int, int]:
+            if shared is not None:
+                shared.park()  # after the measure: the memory the engine's copy will serve both from
+            return memory_share.cuda_mem_info(self.device)
+
+        plan = memory_share.measured_share(base_model, lambda: self.trainer_need(base_model), mem_info,
                                            int(self.config.vllm_memory_margin_gib * memory_share.GIB), reserved)
         self.memory_plans[base_model] = plan
         return plan.utilization

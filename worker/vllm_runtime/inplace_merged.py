@@ -41,7 +41,7 @@ class MergedWriter:
             return None
         try:
             model = worker.model_runner.get_model()
-            params = _hf_views(model, base)
+            params = hf_views(model, base)
         except (AttributeError, KeyError, ValueError) as exc:
             log.info("in-place merged sync unavailable (%s): using reload_weights", exc)
             return None
@@ -114,7 +114,7 @@ class MergedWriter:
         self.dirty = set(self.params)
 
 
-def _hf_views(model: torch.nn.Module, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def hf_views(model: torch.nn.Module, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF weight name -> the engine parameter rows it occupies, checked against the base's shapes."""
     modules = dict(model.named_modules())
     packed = getattr(model, "packed_modules_mapping", {}) or {}
@@ -127,7 +127,7 @@ def _hf_views(model: torch.nn.Module, base: dict[str, torch.Tensor]) -> dict[str
         rows = None
         if module is None and leaf in sub_of:
             fused, index = sub_of[leaf]
-            module = modules.get(f"{prefix}.{fused}" if prefix else fused)
+            module = _unwrapped(modules.get(f"{prefix}.{fused}" if prefix else fused))
             sizes = getattr(module, "output_sizes", None)
             if module is None or sizes is None or len(sizes) <= index:
                 raise ValueError(f"no fused layout for {name}")
@@ -137,6 +137,7 @@ def _hf_views(model: torch.nn.Module, base: dict[str, torch.Tensor]) -> dict[str
             if name == "lm_head.weight":
                 continue  # tied to the embedding in this engine: written through model.embed_tokens.weight
             raise KeyError(f"no engine module for {name}")
+        module = _unwrapped(module)
         if getattr(module, "tp_size", 1) != 1:
             raise ValueError(f"{name} is sharded over tensor parallelism")
         param = getattr(module, attr)
@@ -148,3 +149,8 @@ def _hf_views(model: torch.nn.Module, base: dict[str, torch.Tensor]) -> dict[str
             raise ValueError(f"{name}: engine {tuple(view.shape)} vs checkpoint {tuple(tensor.shape)}")
         views[name] = view
     return views
+
+
+def _unwrapped(module: torch.nn.Module | None) -> torch.nn.Module | None:
+    """The layer itself where vLLM's LoRA support (enable_lora) wrapped it."""
+    return getattr(module, "base_layer", module)
