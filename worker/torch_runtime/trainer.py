@@ -154,30 +154,33 @@ class TorchTrainer(Trainer):
     # -- what training needs (worker/vllm_runtime/memory_share.py) -------------------------------
 
     def peak_training_bytes(self, base_model: str, rank: int) -> tuple[int, int]:
-        """The device memory `dry_run` takes above what is allocated now (torch's peak), and the tokens of the pass
-        it ran. CUDA only."""
+        """The device memory `dry_run` takes above what it holds now, and the tokens of the pass it ran. CUDA only.
+        What torch's allocator reserved, not only what it handed out: the blocks a pass splits and cannot reuse stay
+        the trainer's (3-6 GiB of a 14B shape's passes on an H100, which ran out of memory beside an engine sized
+        from the allocated peak alone: bench/RESULTS.md)."""
         device = self.bases.get(base_model).device
         if device.type != "cuda":
             raise ValueError(f"peak_training_bytes measures CUDA memory, not {device}")
         gc.collect()
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
-        before = torch.cuda.memory_allocated(device)
+        allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
         torch.cuda.reset_peak_memory_stats(device)
         try:
             tokens = self.dry_run(base_model, rank)
             torch.cuda.synchronize(device)
-            peak = torch.cuda.max_memory_allocated(device) - before
+            peak = max(torch.cuda.max_memory_allocated(device) - allocated,
+                       torch.cuda.max_memory_reserved(device) - reserved)
         finally:
             gc.collect()
             torch.cuda.empty_cache()
         return peak, tokens
 
     def dry_run(self, base_model: str, rank: int) -> int:
-        """One forward_backward and optim_step of a full pass (`micro_batch_tokens` tokens, in datums of up to 2048)
-        on a throwaway adapter of `rank` on every target the trainer trains (attention, MLP, unembedding); returns
-        the tokens. Loads the base if it was not; leaves no adapter, gradient or optimizer state behind, and the
-        RNG as it was."""
+        """A forward_backward of a full pass (`micro_batch_tokens` tokens, in datums of up to 2048), an optim_step,
+        and the pass again with the optimizer's state resident (a model's steady state), on a throwaway adapter of
+        `rank` on every target the trainer trains (attention, MLP, unembedding); returns the tokens. Loads the base
+        if it was not; leaves no adapter, gradient or optimizer state behind, and the RNG as it was."""
         base = self.bases.get(base_model)
         options = self.options or TrainOptions.for_device(base.device)
         tokens = options.micro_batch_tokens
@@ -193,8 +196,10 @@ class TorchTrainer(Trainer):
             with torch.random.fork_rng(devices=devices):
                 probe = self._add(PROBE, base, LoraSpec(rank=rank, seed=0))
                 base.model.set_adapter(probe.adapter)
-                forward_request(base, probe.adapter, request, True, options, probe.optimizer.param_groups[0]["params"])
+                params = probe.optimizer.param_groups[0]["params"]
+                forward_request(base, probe.adapter, request, True, options, params)
                 probe.optimizer.step()
+                forward_request(base, probe.adapter, request, True, options, params)
         finally:
             self.remove_model(PROBE)
         return tokens

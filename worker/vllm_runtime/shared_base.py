@@ -61,7 +61,7 @@ class SharedBase:
             raise ValueError(f"the engine holds no tensor for {sorted(missing)[:3]}")
         for name, view in views.items():
             param = self.params[name]
-            if (view.dtype, view.device) != (param.dtype, self.device):
+            if (view.dtype, view.device.type) != (param.dtype, self.device.type):
                 raise ValueError(f"{name}: the engine's is {view.dtype} on {view.device}, the trainer's "
                                  f"{param.dtype} on {self.device}")
         for name, view in views.items():
