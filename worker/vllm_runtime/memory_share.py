@@ -3,9 +3,11 @@
 vLLM takes `gpu_memory_utilization` x the device's memory when it starts (its weights, activations and KV cache;
 it refuses to start if that much is not free), and keeps it. The trainer beside it needs room for its own peak: the
 activations, gradients and optimizer state of one pass of `TINKERQ_TRAIN_MICRO_BATCH_TOKENS` tokens (gradients
-accumulate over passes, so a larger call needs no more). `auto` measures that peak (the trainer's dry
-forward_backward + optim_step on a throwaway adapter, `TorchTrainer.peak_training_bytes`) just before the engine
-starts, and gives vLLM what is free less that peak and a margin:
+accumulate over passes, so a larger call needs no more). `auto` measures that peak (what torch's allocator reserves
+over the trainer's dry forward_backward, optim_step and forward_backward again on a throwaway adapter,
+`TorchTrainer.peak_training_bytes`) just before the engine starts, and gives vLLM what is free less that peak and a
+margin (where the trainer reads the base from the engine's weights, shared_base.py, its own copy has left the device
+by then, so `free` counts it):
 
     share = (free - trainer peak - margin) / total
 
@@ -37,7 +39,7 @@ class MemoryPlan:
 
     base: str
     total: int
-    free: int  # free on the device just before the engine starts (the trainer's base weights already loaded)
+    free: int  # free on the device just before the engine starts (the trainer's base loaded, or parked where it is shared)
     trainer_peak: int  # the trainer's measured need above what it holds now; the largest over bases served so far
     budget_tokens: int  # tokens per trainer pass the peak was measured at
     margin: int
