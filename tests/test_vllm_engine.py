@@ -54,11 +54,11 @@ LONG_PROMPT = [random.Random(7).randrange(3, 2000) for _ in range(300)]
 class Pair:
     """A runtime on the vLLM engine and one on the PyTorch engine, over one trainer."""
 
-    def __init__(self, tmp_path, sync: str, share: bool = False, **settings) -> None:
+    def __init__(self, tmp_path, sync: str, share: bool = False, trainer_dtype: str = "float32", **settings) -> None:
         """`share`: the trainer's base weights are views of the vLLM engine's (shared_base.py), as in the worker."""
         config = RuntimeConfig(runtime="torch", engine="vllm", vllm_sync=sync, checkpoint_root=str(tmp_path),
                                max_snapshots=3, vllm_max_loras=3, vllm_max_lora_rank=16, **settings)
-        bases = BaseModels("cpu", "float32")
+        bases = BaseModels("cpu", trainer_dtype)
         self.trainer = TorchTrainer(bases, tmp_path)
         trainer_model = (lambda base: bases.get(base).model) if share else None
         self.vllm = Runtime(self.trainer, VllmEngine(config, trainer_model=trainer_model))
@@ -450,6 +450,22 @@ def test_the_trainer_reads_its_base_from_the_engines_weights_and_trains_and_serv
     finally:
         shared.close()
         lora.vllm.engine.remove_model(theirs)
+
+
+def test_a_base_the_trainer_cannot_read_from_the_engine_fails_its_create_clearly_and_the_trainer_keeps_its_own(
+        tmp_path):
+    """A trainer whose base is another dtype than the engine's (bfloat16 against float32) cannot take the engine's
+    tensors: the create fails naming the setting that turns sharing off, and the trainer's copy is left as it was."""
+    pair = Pair(tmp_path, "lora", share=True, trainer_dtype="bfloat16")
+    try:
+        with pytest.raises(RuntimeError, match="TINKERQ_VLLM_SHARE_BASE=false"):
+            pair.new_model(seed=1)
+        assert not pair.vllm.engine.llms  # the engine it started was shut down, not kept
+        trainer_base = base_parameters(pair.trainer.bases.get(BASE).model)
+        assert all(p.dtype == torch.bfloat16 for p in trainer_base.values())  # the engine's are float32
+        assert pair.trainer.dry_run(BASE, rank=4) > 0  # and the trainer still trains on its own copy
+    finally:
+        pair.close()
 
 
 @pytest.mark.parametrize("settings, why", [

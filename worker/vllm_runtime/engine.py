@@ -102,7 +102,6 @@ class VllmEngine(Engine):
         self.sleep_mode = config.vllm_sleep_during_training and self.device.type == "cuda"
         self.asleep = False
         self.trainer_model = trainer_model
-        self.shared: dict[str, SharedBase] = {}  # base -> the trainer's parameters that are views of the engine's
 
     # -- models and snapshots -------------------------------------------------------------------
 
@@ -223,8 +222,7 @@ class VllmEngine(Engine):
 
     def close(self) -> None:
         for llm in self.llms.values():
-            # LLM.shutdown exists in some releases only; the engine core's is in all of them.
-            (getattr(llm, "shutdown", None) or llm.llm_engine.engine_core.shutdown)()
+            _shutdown(llm)
         self.llms.clear()
         self._adapters.cleanup()
 
@@ -297,12 +295,23 @@ class VllmEngine(Engine):
         return self.llms[base_model]
 
     def _build(self, base_model: str) -> Any:
+        shared = self._shared_base(base_model)
+        try:
+            llm = self._start(base_model, shared)
+        except BaseException:
+            if shared is not None:
+                shared.restore()  # the trainer's copy back on the device, as it was
+            raise
+        if shared is not None:
+            self._lend(base_model, shared, llm)
+        return llm
+
+    def _start(self, base_model: str, shared: SharedBase | None) -> Any:
         from vllm import LLM
 
         path = self._path(base_model)
         kwargs: dict[str, Any] = dict(model=str(path), dtype=str(self.dtype).removeprefix("torch."), seed=0,
                                       enforce_eager=self._eager(), enable_prefix_caching=True)
-        shared = self._shared_base(base_model)
         if self.device.type == "cuda":
             kwargs["gpu_memory_utilization"] = self._share(base_model, shared)
             if self.sleep_mode:
@@ -316,24 +325,21 @@ class VllmEngine(Engine):
             kwargs.update(enable_lora=True, max_loras=self.config.vllm_max_loras,
                           max_lora_rank=self.config.vllm_max_lora_rank,
                           max_cpu_loras=max(1024, self.config.vllm_max_loras))
-        if shared is None:
-            with self._plain_linear():
-                return LLM(**kwargs)
+        if shared is not None:
+            shared.park()  # (done already where the share was measured) its memory is the engine's to plan with
+        with self._plain_linear(shared=shared is not None):
+            return LLM(**kwargs)
+
+    def _lend(self, base_model: str, shared: SharedBase, llm: Any) -> None:
         try:
-            shared.park()
-            with self._plain_linear(shared=True):
-                llm = LLM(**kwargs)
             shared.lend(llm)
-        except BaseException as exc:
+        except (AttributeError, KeyError, ValueError) as exc:
+            _shutdown(llm)
             shared.restore()
-            if isinstance(exc, (AttributeError, KeyError, ValueError)):
-                raise RuntimeError(f"the trainer cannot read {base_model!r} from the vLLM engine's weights ({exc}): "
-                                   "set TINKERQ_VLLM_SHARE_BASE=false to give each its own copy") from exc
-            raise
-        self.shared[base_model] = shared
+            raise RuntimeError(f"the trainer cannot read {base_model!r} from the vLLM engine's weights ({exc}): "
+                               "set TINKERQ_VLLM_SHARE_BASE=false to give each its own copy") from exc
         log.info("the trainer reads %s from the vLLM engine's weights: %.2f GiB held once, not twice", base_model,
                  shared.nbytes / memory_share.GIB)
-        return llm
 
     def _shared_base(self, base_model: str) -> SharedBase | None:
         """The trainer's base parameters where they can be the engine's (shared_base.py), else None."""
@@ -500,6 +506,11 @@ class VllmEngine(Engine):
     def _check(self, request: SampleRequest) -> None:
         model_config = self.llms[self._base_name(request)].llm_engine.model_config
         check_fits(request, model_config.max_model_len, model_config.get_vocab_size())
+
+
+def _shutdown(llm: Any) -> None:
+    # LLM.shutdown exists in some releases only; the engine core's is in all of them.
+    (getattr(llm, "shutdown", None) or llm.llm_engine.engine_core.shutdown)()
 
 
 def _client_error() -> type[Exception]:
