@@ -96,6 +96,7 @@ class ApiProc(TinkerqProc):
                 if not self.alive():
                     raise RuntimeError(f"the API exited: {self.output()}") from None
                 time.sleep(0.1)
+        self.kill(signal.SIGTERM)  # no fixture holds it yet: left running, it would outlive the test session
         raise RuntimeError(f"the API did not come up: {self.output()}")
 
 
