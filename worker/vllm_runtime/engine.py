@@ -338,7 +338,7 @@ class VllmEngine(Engine):
             shared.restore()
             raise RuntimeError(f"the trainer cannot read {base_model!r} from the vLLM engine's weights ({exc}): "
                                "set TINKERQ_VLLM_SHARE_BASE=false to give each its own copy") from exc
-        log.info("the trainer reads %s from the vLLM engine's weights: %.2f GiB held once, not twice", base_model,
+        log.info("the trainer reads %s from the vLLM engine's weights: %.3g GiB held once, not twice", base_model,
                  shared.nbytes / memory_share.GIB)
 
     def _shared_base(self, base_model: str) -> SharedBase | None:
