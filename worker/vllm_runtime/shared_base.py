@@ -15,15 +15,12 @@ trainer runs), or holds it in other processes (tensor parallelism; the Ray runti
 its own copy (`VllmEngine.share_refusal` says which).
 """
 
-import logging
 from typing import Any
 
 import torch
 
 from worker.vllm_runtime.inplace import worker_of
 from worker.vllm_runtime.inplace_merged import hf_views
-
-log = logging.getLogger(__name__)
 
 
 class SharedBase:
@@ -50,8 +47,8 @@ class SharedBase:
             param.data = param.data.to(self.device)
 
     def lend(self, llm: Any) -> None:
-        """Point each parameter at the engine's tensor of it. ValueError (nothing changed) where the engine holds
-        one in another place, shape or dtype, or not at all."""
+        """Point each parameter at the engine's tensor of it. Where the engine holds one in another place, shape or
+        dtype, or not at all: ValueError, KeyError or AttributeError (hf_views' own), and nothing changed."""
         worker = worker_of(llm)
         if worker is None:
             raise ValueError("the engine's model is not in this process")
