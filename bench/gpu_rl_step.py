@@ -72,8 +72,8 @@ DEFAULTS = {"cuda": dict(model="randq-0.5b", dtype="bfloat16", prompts=256, max_
             "cpu": dict(model="tinyq-micro", dtype="float32", prompts=16, max_tokens=16, prompt_len=16, steps=3,
                         warmup=1, raw_rounds=3, rank=8)}
 # what the worker's log says about its memory and sleep mode, kept in the JSON
-LOG_LINES = re.compile(r"vLLM memory share|engine's weights|keeps its own copy|fall asleep|wake up tags|Sleep mode freed|"
-                       r"KV cache|engine run:")
+MEMORY_LINES = r"vLLM memory share|engine's weights|keeps its own copy"  # also printed after the table
+LOG_LINES = re.compile(MEMORY_LINES + r"|fall asleep|wake up tags|Sleep mode freed|KV cache|engine run:")
 
 
 def prompts(args) -> list[list[int]]:
@@ -479,7 +479,7 @@ def main() -> None:
     for runtime, run in runs.items():
         print_table(args, run["summary"], runtime)
         for line in run["worker_log"]:
-            if re.search(r"memory share|engine's weights|keeps its own copy", line):
+            if re.search(MEMORY_LINES, line):
                 print(f"worker: {line}")
     comparison = ray_comparison(runs)
     name = "gpu_rl_step" + (f"-{args.tag}" if args.tag else "")

@@ -33,6 +33,7 @@ from schemas import (  # noqa: E402
 )
 from tinkerq.config import RuntimeConfig  # noqa: E402
 from worker.runtime import DomainError, Runtime  # noqa: E402
+from worker.torch_runtime.assembly import make_engine  # noqa: E402
 from worker.torch_runtime.base_models import BaseModels  # noqa: E402
 from worker.torch_runtime.engine import TorchEngine  # noqa: E402
 from worker.torch_runtime.trainer import TorchTrainer  # noqa: E402
@@ -61,8 +62,7 @@ class Pair:
                                max_snapshots=3, vllm_max_loras=3, vllm_max_lora_rank=16, **settings)
         bases = BaseModels("cpu", trainer_dtype)
         self.trainer = TorchTrainer(bases, tmp_path)
-        trainer_model = (lambda base: bases.get(base).model) if share else None
-        self.vllm = Runtime(self.trainer, VllmEngine(config, trainer_model=trainer_model))
+        self.vllm = Runtime(self.trainer, make_engine(config, bases, trainer=self.trainer if share else None))
         self.torch = Runtime(self.trainer, TorchEngine(bases, max_snapshots=3))
         self.count = 0
 

@@ -123,7 +123,7 @@ def hf_views(model: torch.nn.Module, base: dict[str, torch.Tensor]) -> dict[str,
     for name, tensor in base.items():
         module_name, _, attr = name.rpartition(".")
         prefix, _, leaf = module_name.rpartition(".")
-        module = modules.get(module_name)
+        module = _unwrapped(modules.get(module_name))
         rows = None
         if module is None and leaf in sub_of:
             fused, index = sub_of[leaf]
@@ -137,7 +137,6 @@ def hf_views(model: torch.nn.Module, base: dict[str, torch.Tensor]) -> dict[str,
             if name == "lm_head.weight":
                 continue  # tied to the embedding in this engine: written through model.embed_tokens.weight
             raise KeyError(f"no engine module for {name}")
-        module = _unwrapped(module)
         if getattr(module, "tp_size", 1) != 1:
             raise ValueError(f"{name} is sharded over tensor parallelism")
         param = getattr(module, attr)
