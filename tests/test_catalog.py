@@ -96,3 +96,39 @@ def test_a_local_model_built_on_a_distributed_rank_other_than_0_is_whole(tmp_pat
         f.unlink()
     assert local_models.cached_dir("tinyq-tied") is None
     assert (resolve("tinyq-tied") / "config.json").exists()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_per_tensor_init_is_hfs_init_and_the_same_whatever_the_threads(tmp_path, monkeypatch, tied):
+    """The large shapes draw each tensor from a generator seeded by its name, on every core: the files must not
+    depend on how many threads drew them, and must be what HF's init gives (matrices ~ N(0, 0.02), biases 0,
+    norms 1, the tie kept)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tinkerq import local_models
+
+    shape = local_models.Shape(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, vocab=2048,
+                               tie_embeddings=tied, wide_init=False, save_dtype="bfloat16", init_dtype="bfloat16",
+                               per_tensor_init=True)
+    local_models.build("t", shape, tmp_path / "many")
+    monkeypatch.setattr(local_models.os, "cpu_count", lambda: 1)
+    local_models.build("t", shape, tmp_path / "one")
+    many, one = (load_file(next((tmp_path / d).glob("*.safetensors"))) for d in ("many", "one"))
+    assert many.keys() == one.keys() and all(torch.equal(many[k], one[k]) for k in many)
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "many", dtype=torch.float32)
+    layer = model.model.layers[0]
+    assert torch.all(layer.self_attn.q_proj.bias == 0) and torch.all(layer.input_layernorm.weight == 1)
+    assert abs(layer.mlp.up_proj.weight.std().item() - 0.02) < 1e-3
+    assert not torch.equal(layer.mlp.up_proj.weight, model.model.layers[1].mlp.up_proj.weight)
+    assert (model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()) == tied
+    assert tied or not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+
+
+def test_per_tensor_init_refuses_the_wide_init_it_does_not_draw():
+    from tinkerq.local_models import Shape
+
+    with pytest.raises(ValueError, match="wide_init"):
+        Shape(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, vocab=2048, per_tensor_init=True)
