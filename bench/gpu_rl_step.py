@@ -11,6 +11,8 @@ Two parts, one after the other, so that each has the GPU to itself:
    then vLLM's own `LLM.generate` on the same prompts, with the vLLM SamplingParams our engine builds for them
    (`worker/vllm_runtime/translate.sampling_params`: same seeds, temperature, logprobs, ignore_eos) and the same
    adapter; and our engine's `Runtime.sample` in process for reference. Median of --raw-rounds after a warm-up.
+   --no-baseline skips it (a large shape's two engine starts may not fit one device call); the report then has no
+   ratio to raw.
 2. **The queue**: Redis (REDIS_URL, or one embedded), a `tinkerq worker` process with those settings, a Producer
    here. Each step: sample (`submit_many` of P requests, each pinned by the producer to the latest version, until
    every result is in), build the datums (importance_sampling: the samples' tokens, their logprobs, advantage =
@@ -332,19 +334,21 @@ def rl_steps(args, queue: Queue) -> list[dict]:
 
 # -- report --------------------------------------------------------------------------------------------------------
 
-def summarize(rows: list[dict], base: dict) -> dict:
+def summarize(rows: list[dict], base: dict | None) -> dict:
+    """The phases' medians; against raw vLLM where the baseline ran (--no-baseline: those fields are None)."""
     timed = [r for r in rows if not r["warmup"]]
     phases = {p: statistics.median(r["ms"][p] for r in timed) for p in PHASES}
     total = statistics.median(r["total_ms"] for r in timed)
     queue_rate = statistics.median(r["sample_tokens_per_s"] for r in timed)
-    raw = base["tokens_per_s"]["vllm_raw"]
+    raw = base["tokens_per_s"]["vllm_raw"] if base else None
+    resample = (statistics.median(r["resample_tokens_per_s"] for r in timed)
+                if "resample_tokens_per_s" in timed[0] else None)
     return {"phase_ms": phases, "total_ms": total,
             "sync_share": statistics.median(r["sync_share"] for r in timed),
             "sample_tokens_per_s": queue_rate, "raw_tokens_per_s": raw,
-            "engine_in_process_tokens_per_s": base["tokens_per_s"]["engine_in_process"],
-            "sampling_ratio_to_raw": queue_rate / raw,
-            "resample_ratio_to_raw": (statistics.median(r["resample_tokens_per_s"] for r in timed) / raw
-                                      if "resample_tokens_per_s" in timed[0] else None),
+            "engine_in_process_tokens_per_s": base["tokens_per_s"]["engine_in_process"] if base else None,
+            "sampling_ratio_to_raw": queue_rate / raw if raw else None,
+            "resample_ratio_to_raw": resample / raw if raw and resample else None,
             "all_served_right_version": all(r["right_version"] for r in rows)}
 
 
@@ -361,10 +365,13 @@ def print_table(args, summary: dict, runtime: str = "torch") -> None:
     goal = lambda ok: "met" if ok else "NOT met"  # noqa: E731
     print(f"\nsync share of the step (median of per-step shares): {summary['sync_share']:.3%}  "
           f"(goal < 1%: {goal(summary['sync_share'] < 0.01)})")
-    print(f"sampling: queue {summary['sample_tokens_per_s']:.0f} tok/s, raw vLLM LLM.generate "
-          f"{summary['raw_tokens_per_s']:.0f} tok/s (child process, before the worker), our engine in process "
-          f"{summary['engine_in_process_tokens_per_s']:.0f} tok/s; queue / raw = {summary['sampling_ratio_to_raw']:.3f} "
-          f"(goal >= 0.9: {goal(summary['sampling_ratio_to_raw'] >= 0.9)})")
+    if summary["raw_tokens_per_s"] is None:
+        print(f"sampling: queue {summary['sample_tokens_per_s']:.0f} tok/s (--no-baseline: no raw vLLM to compare)")
+    else:
+        print(f"sampling: queue {summary['sample_tokens_per_s']:.0f} tok/s, raw vLLM LLM.generate "
+              f"{summary['raw_tokens_per_s']:.0f} tok/s (child process, before the worker), our engine in process "
+              f"{summary['engine_in_process_tokens_per_s']:.0f} tok/s; queue / raw = "
+              f"{summary['sampling_ratio_to_raw']:.3f} (goal >= 0.9: {goal(summary['sampling_ratio_to_raw'] >= 0.9)})")
     if summary["resample_ratio_to_raw"] is not None:
         print(f"the same batch sampled again at once (no training between): {summary['resample_ratio_to_raw']:.3f} of raw")
     print(f"every sample served on the version of the sync before it: {summary['all_served_right_version']}")
@@ -386,15 +393,17 @@ def plot(rows: list[dict], summary: dict, title: str, path: Path) -> None:
         values = [r["ms"][phase] / 1e3 for r in rows]
         left.bar(labels, values, bottom=bottom, label=phase)
         bottom = [b + v for b, v in zip(bottom, values)]
-    raw_s = rows[0]["sampled_tokens"] / summary["raw_tokens_per_s"]
-    left.axhline(raw_s, color="k", linestyle=":", linewidth=1, label="raw vLLM sampling time")
+    if summary["raw_tokens_per_s"]:
+        raw_s = rows[0]["sampled_tokens"] / summary["raw_tokens_per_s"]
+        left.axhline(raw_s, color="k", linestyle=":", linewidth=1, label="raw vLLM sampling time")
     left.set(xlabel="step (w: warm-up)", ylabel="seconds", title="phases per step")
     left.legend(fontsize=7)
     phases = summary["phase_ms"]
     right.barh(list(phases), list(phases.values()))
     right.set_xscale("log")
-    right.set(xlabel="ms (median, log scale)", title=f"sync {summary['sync_share']:.2%} of the step; "
-              f"sampling {summary['sampling_ratio_to_raw']:.2f}x raw")
+    ratio = summary["sampling_ratio_to_raw"]
+    right.set(xlabel="ms (median, log scale)", title=f"sync {summary['sync_share']:.2%} of the step"
+              + (f"; sampling {ratio:.2f}x raw" if ratio else ""))
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -435,6 +444,9 @@ def main() -> None:
     parser.add_argument("--runtimes", type=lambda v: v.split(","), default=["torch"],
                         help="the workers to run the steps through, one after the other: torch (in process), ray "
                              "(the Ray runtime on one GPU bundle), or torch,ray to compare them")
+    parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
+                        help="part 1 (raw vLLM in a child process); --no-baseline: only the queue, e.g. where a "
+                             "large shape's two engine starts would not fit a device call")
     parser.add_argument("--tag", default="")
     parser.add_argument("--out", help="JSON path (default bench/results/gpu_rl_step[-TAG].json)")
     parser.add_argument("--baseline-json", help=argparse.SUPPRESS)  # the child process of part 1
@@ -451,13 +463,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="tinkerq-rl-step-"))
     print(f"{args.prompts} prompts x {args.num_samples} x {args.max_tokens} tokens on {args.model} ({args.device}, "
           f"{args.dtype}); logs in {tmp}", flush=True)
-    started = time.perf_counter()
-    base = run_baseline(args, tmp)
-    print(f"baseline (child process, {time.perf_counter() - started:.0f} s): raw vLLM "
-          f"{base['tokens_per_s']['vllm_raw']:.0f} tok/s, our engine in process "
-          f"{base['tokens_per_s']['engine_in_process']:.0f} tok/s", flush=True)
-    for plan in base["memory_plans"].values():
-        print(f"baseline {plan['line']}")
+    base = announce_baseline(args, tmp) if args.baseline else None
     runs = {}
     with ExitStack() as stack:
         url = os.environ.get("REDIS_URL") or stack.enter_context(EmbeddedRedis()).url
@@ -501,6 +507,17 @@ def main() -> None:
         plot(run["steps"], run["summary"], f"{title} ({runtime} runtime)",
              out.with_name(out.stem + suffix + ".png"))
     sys.exit(0 if all(run["summary"]["all_served_right_version"] for run in runs.values()) else 1)
+
+
+def announce_baseline(args, tmp: Path) -> dict:
+    started = time.perf_counter()
+    base = run_baseline(args, tmp)
+    print(f"baseline (child process, {time.perf_counter() - started:.0f} s): raw vLLM "
+          f"{base['tokens_per_s']['vllm_raw']:.0f} tok/s, our engine in process "
+          f"{base['tokens_per_s']['engine_in_process']:.0f} tok/s", flush=True)
+    for plan in base["memory_plans"].values():
+        print(f"baseline {plan['line']}")
+    return base
 
 
 def ray_comparison(runs: dict) -> dict | None:
