@@ -501,7 +501,7 @@ def main() -> None:
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
     title = (f"{args.model} {args.device}: {args.prompts}x{args.num_samples}x{args.max_tokens} tokens, {args.loss}, "
-             f"rank {args.rank}, {args.vllm_sync}{', sleep mode' if args.sleep else ''}")
+             f"rank {args.rank}, {args.vllm_sync}{', sleep mode' if args.sleep else ''}{', eager' if args.eager else ''}")
     for runtime, run in runs.items():
         suffix = "" if runtime == args.runtimes[0] else f"-{runtime}"
         plot(run["steps"], run["summary"], f"{title} ({runtime} runtime)",
