@@ -9,6 +9,9 @@
 #   TAG=name bash bench/h200_vllm.sh rl_step [bench args...]     # bench/gpu_rl_step.py: an RL step through the queue
 #     (defaults: randq-0.5b, 256 prompts x 256 tokens, 5 steps after 3 warm-up ones; --sleep: vLLM's sleep mode during
 #     forward passes). About 5-7 minutes each on a fresh machine: run one per device command.
+#     randq-14b (issue 14 item 4): build it in the background in the first device call, beside the carry (85 s on a
+#     16-core host: python3 -c "from tinkerq.local_models import resolve; resolve('randq-14b')"); where the device time
+#     left is short, --no-baseline --eager skips the second engine start and the graphs (bench/RESULTS.md, session 4).
 set -euo pipefail
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 export VLLM_USE_FLASHINFER_SAMPLER=0 TVM_FFI_DISABLE_TORCH_C_DLPACK=1  # no flashinfer; no JIT build at import
