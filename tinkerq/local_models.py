@@ -46,8 +46,8 @@ class Shape:
     # (14B: 30 GB instead of 59 + 30 for the copy); the earlier shapes keep float32, so their files stay as they were.
     init_dtype: str = "float32"
     # Each tensor drawn from its own generator, seeded by the model's seed and the tensor's name, on every core at
-    # once, and drawn once (HF's init draws every Linear twice, on one core at a time): randq-14b builds in 85 s on a
-    # 16-core host, where HF's init took 524 s. The earlier shapes keep HF's init, so their files stay as they were.
+    # once, and drawn once (HF's init draws every Linear twice, one tensor after another): randq-14b builds in 85 s on
+    # a 16-core host, where HF's init took 524 s. The earlier shapes keep HF's init, so their files stay as they were.
     per_tensor_init: bool = False
     # Sliding-window attention on every layer from `window_from` on (Qwen2's max_window_layers), as Mistral
     # and Gemma-2-style models have: their KV cache keeps only the window.
