@@ -2,6 +2,7 @@
 
 import gc
 import json
+import logging
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from worker.torch_runtime.packed_forward import TrainOptions, forward_request
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
 STATE_FILE = "tinkerq_state.json"
+log = logging.getLogger(__name__)
 PROBE = "tinkerq/memory-probe"  # the throwaway model peak_training_bytes trains: no valid model id has a '/'
 
 
@@ -169,8 +171,12 @@ class TorchTrainer(Trainer):
         try:
             tokens = self.dry_run(base_model, rank)
             torch.cuda.synchronize(device)
-            peak = max(torch.cuda.max_memory_allocated(device) - allocated,
-                       torch.cuda.max_memory_reserved(device) - reserved)
+            handed_out = torch.cuda.max_memory_allocated(device) - allocated
+            held = torch.cuda.max_memory_reserved(device) - reserved
+            # both, so that a log says how much of the need is the allocator's split blocks rather than tensors
+            log.info("the trainer's dry pass of %d tokens on %s: peak %.2f GiB allocated, %.2f GiB reserved", tokens,
+                     base_model, handed_out / 2**30, held / 2**30)
+            peak = max(handed_out, held)
         finally:
             gc.collect()
             torch.cuda.empty_cache()
