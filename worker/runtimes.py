@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tinkerq.config import RuntimeConfig
+from worker.runtime import cuda_allocator
 from worker.runtime.runtime import Runtime
 
 RUNTIMES = ("auto", "torch", "reference", "ray")
@@ -39,6 +40,7 @@ def runtime_name(config: RuntimeConfig) -> str:
 
 def build_runtime(config: RuntimeConfig | None = None) -> Runtime:
     config = config or RuntimeConfig()
+    cuda_allocator.configure()  # before any runtime touches CUDA
     return _builder(runtime_name(config))(config)
 
 

@@ -4,15 +4,20 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 
+from worker.runtime import cuda_allocator
+
 log = logging.getLogger(__name__)
 # the worker's log level, for its actors: their INFO lines (vLLM's engine runs, memory plans) reach the worker's log
 # through Ray's log_to_driver
 ACTOR_LOG_LEVEL_ENV = "TINKERQ_RAY_ACTOR_LOG_LEVEL"
+# beside TINKERQ_*: what the actors' imports and allocations read (cuda_allocator.py: they allocate as the worker does)
+FORWARDED_ENV = ("PYTHONPATH", "HF_HOME", *cuda_allocator.ALLOC_CONF_VARS)
 READY_TIMEOUT_S = 300.0  # a placement group that cannot be placed by then is an error, not a hang
 SHUTDOWN_TIMEOUT_S = 30.0
 
@@ -20,7 +25,7 @@ SHUTDOWN_TIMEOUT_S = 30.0
 def connect(address: str | None, cpus: int | None = None, namespace: str = "") -> bool:
     """Join the cluster at `address` ("auto": the one on this host), or start a local one of `cpus` CPUs; False
     if this process was connected already (whoever connected it disconnects it).
-    The worker's TINKERQ_* settings and PYTHONPATH go to every actor, so they build what the consumer would."""
+    The worker's TINKERQ_* settings, PYTHONPATH and torch's allocator settings go to every actor, so they build what the consumer would."""
     if address and address.startswith("ray://"):
         # Ray Client refuses streaming actor calls, which carry every sample's result (engines.py): refuse at
         # start rather than fail the first sample.
@@ -30,15 +35,20 @@ def connect(address: str | None, cpus: int | None = None, namespace: str = "") -
     if ray.is_initialized():
         return False
     namespace = namespace or f"tinkerq-{socket.gethostname()}-{os.getpid()}"
-    env = {k: v for k, v in os.environ.items() if k.startswith("TINKERQ_") or k in ("PYTHONPATH", "HF_HOME")}
-    env.setdefault(ACTOR_LOG_LEVEL_ENV, logging.getLevelName(logging.getLogger().getEffectiveLevel()))
-    runtime_env = {"env_vars": env}
+    runtime_env = {"env_vars": actor_env(os.environ)}
     if address:
         ray.init(address=address, namespace=namespace, runtime_env=runtime_env, log_to_driver=True)
     else:
         ray.init(num_cpus=cpus, namespace=namespace, include_dashboard=False, runtime_env=runtime_env,
                  log_to_driver=True)
     return True
+
+
+def actor_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """What every actor's process gets of the worker's environment (also on a cluster started elsewhere)."""
+    env = {k: v for k, v in environ.items() if k.startswith("TINKERQ_") or k in FORWARDED_ENV}
+    env.setdefault(ACTOR_LOG_LEVEL_ENV, logging.getLevelName(logging.getLogger().getEffectiveLevel()))
+    return env
 
 
 def configure_actor() -> None:

@@ -1,0 +1,48 @@
+"""torch's CUDA allocator for a worker: expandable segments unless the operator chose otherwise.
+
+vLLM's share of a GPU is sized from what the trainer beside it reserves over a dry pass (vllm_runtime/memory_share.py).
+With torch's default allocator, blocks that one pass splits and the next cannot reuse stay reserved: on an H100,
+randq-14b's 16,384-token pass allocated 19.6 GiB at its peak but reserved 28.5 GiB. Expandable segments map pages into
+one growing segment instead, so what is reserved follows what is allocated: 21.8 GiB for the same pass, a KV cache 49%
+larger (80k to 119k tokens) and the 256 x 512 sample 1.14x (eager) to 1.19x (CUDA graphs) faster (bench/RESULTS.md,
+session 5). vLLM turns them off around its sleep-mode pool by itself (its device_allocator/cumem.py).
+
+The setting is an environment variable, so that the processes a worker starts (vLLM's tensor-parallel workers, Ray's
+actors: ray_runtime/cluster.py forwards it) allocate the same way. torch reads it when CUDA first initialises.
+"""
+
+import logging
+import os
+import sys
+from collections.abc import Mapping
+
+log = logging.getLogger(__name__)
+# torch's own precedence, the device-agnostic name first (as vLLM's device_allocator/alloc_conf.py reads them)
+ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+DEFAULT = "expandable_segments:True"
+
+
+def chosen(environ: Mapping[str, str]) -> tuple[str, str, bool]:
+    """The variable and value the worker's processes allocate by, and whether the operator chose it."""
+    for name in ALLOC_CONF_VARS:
+        if environ.get(name):
+            return name, environ[name], True
+    return "PYTORCH_CUDA_ALLOC_CONF", DEFAULT, False
+
+
+def configure() -> tuple[str, str]:
+    """Set the default where no allocator setting was given; returns the variable in effect and its value."""
+    name, value, operators = chosen(os.environ)
+    if operators:
+        log.info("torch CUDA allocator: %s=%s (the operator's)", name, value)
+        return name, value
+    os.environ[name] = value
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        # too late for this process's allocator; the processes it starts still read it
+        log.warning("torch CUDA allocator: CUDA was initialised before the worker set %s=%s; only the processes it "
+                    "starts use it", name, value)
+    else:
+        log.info("torch CUDA allocator: %s=%s (the worker's default; the trainer's reserved memory then follows "
+                 "what it allocates, and vLLM's share grows by the difference)", name, value)
+    return name, value
