@@ -497,15 +497,15 @@ def main() -> None:
     report = {"machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, Python "
                          f"{platform.python_version()}",
               "workload": {**{k: v for k, v in vars(args).items() if k not in ("baseline_json", "out")},
-                           "cuda_alloc_conf": f"{alloc_name}={alloc}" + ("" if operators else " (the worker's default)")},
+                           "cuda_alloc_conf": f"{alloc_name}={alloc}{'' if operators else ' (the worker default)'}"},
               "baseline_where": "raw vLLM LLM.generate and our engine, in a child process run to completion before "
                                 "the worker starts, on the runtime built from the worker's settings",
               "baseline": base, **first, "runtimes": runs, "ray_comparison": comparison}
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
     title = (f"{args.model} {args.device}: {args.prompts}x{args.num_samples}x{args.max_tokens} tokens, {args.loss}, "
-             f"rank {args.rank}, {args.vllm_sync}{', sleep mode' if args.sleep else ''}{', eager' if args.eager else ''}"
-             f"{f', {alloc}' if operators else ''}")
+             f"rank {args.rank}, {args.vllm_sync}{', sleep mode' if args.sleep else ''}"
+             f"{', eager' if args.eager else ''}{f', {alloc}' if operators else ''}")
     for runtime, run in runs.items():
         suffix = "" if runtime == args.runtimes[0] else f"-{runtime}"
         plot(run["steps"], run["summary"], f"{title} ({runtime} runtime)",

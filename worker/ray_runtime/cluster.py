@@ -25,7 +25,8 @@ SHUTDOWN_TIMEOUT_S = 30.0
 def connect(address: str | None, cpus: int | None = None, namespace: str = "") -> bool:
     """Join the cluster at `address` ("auto": the one on this host), or start a local one of `cpus` CPUs; False
     if this process was connected already (whoever connected it disconnects it).
-    The worker's TINKERQ_* settings, PYTHONPATH and torch's allocator settings go to every actor, so they build what the consumer would."""
+    The worker's TINKERQ_* settings, PYTHONPATH and torch's allocator settings go to every actor, so they build
+    what the consumer would (`actor_env`)."""
     if address and address.startswith("ray://"):
         # Ray Client refuses streaming actor calls, which carry every sample's result (engines.py): refuse at
         # start rather than fail the first sample.
