@@ -70,6 +70,15 @@ def test_measured_share_measures_first_then_reads_the_device_and_logs_one_line(c
     assert f"{plan.utilization:.4f}" in line
 
 
+def test_after_start_says_what_the_trainer_has_and_warns_where_vllm_took_more_than_its_share():
+    plan = plan_share("m", total=80 * GIB, free=77 * GIB, trainer_peak=22 * GIB, margin=2 * GIB, budget_tokens=16384)
+    level, line = memory_share.after_start(plan, free=int(22.5 * GIB))
+    assert level == logging.INFO and "22.50 GiB free for the trainer's peak of 22.00 GiB" in line
+    level, line = memory_share.after_start(plan, free=21 * GIB)
+    assert level == logging.WARNING
+    assert "1.00 GiB short" in line and "16384 tokens" in line and "TINKERQ_VLLM_MEMORY_MARGIN_GIB" in line
+
+
 def test_the_largest_peak_reserved_so_far_stays_reserved():
     """A second engine starts with the first one's share taken; the trainer trains one model at a time, so what
     must stay free is the larger of the two peaks, not the new one alone."""

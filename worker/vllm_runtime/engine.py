@@ -304,6 +304,9 @@ class VllmEngine(Engine):
             raise
         if shared is not None:
             self._lend(base_model, shared, llm)
+        if base_model in self.memory_plans:
+            free, _ = memory_share.cuda_mem_info(self.device)
+            log.log(*memory_share.after_start(self.memory_plans[base_model], free))
         return llm
 
     def _start(self, base_model: str, shared: SharedBase | None) -> Any:

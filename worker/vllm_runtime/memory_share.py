@@ -86,6 +86,20 @@ def measured_share(base: str, measure: Callable[[], tuple[int, int]], mem_info: 
     return plan
 
 
+def after_start(plan: MemoryPlan, free: int) -> tuple[int, str]:
+    """The log level and line for what the trainer has once the engine of `plan.base` started: `free` bytes
+    against its measured peak. vLLM can take more than its share (with CUDA graphs vLLM 0.26 left their 1.5 GiB out of
+    it on a 14B shape: bench/RESULTS.md, session 5); the margin absorbs that, and this says where it did not."""
+    line = (f"after vLLM's start for {plan.base}: {free / GIB:.2f} GiB free for the trainer's peak of "
+            f"{plan.trainer_peak / GIB:.2f} GiB")
+    if free >= plan.trainer_peak:
+        return logging.INFO, line
+    return logging.WARNING, (
+        f"{line}, {(plan.trainer_peak - free) / GIB:.2f} GiB short: vLLM took more than its share, and a pass of "
+        f"{plan.budget_tokens} tokens may run out of memory; raise TINKERQ_VLLM_MEMORY_MARGIN_GIB or lower "
+        "TINKERQ_TRAIN_MICRO_BATCH_TOKENS")
+
+
 def cuda_mem_info(device) -> tuple[int, int]:
     """Free and total bytes of the device, after torch hands back the blocks it caches but does not use."""
     import gc
