@@ -22,6 +22,19 @@ def test_without_a_setting_the_worker_asks_for_expandable_segments(clean_env):
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
 
 
+def test_where_torch_is_imported_its_allocator_takes_the_setting_too(clean_env):
+    """torch may have read the environment when it was imported: the live setting is written as well."""
+    import torch
+
+    before = torch._C._accelerator_getAllocatorSettings()
+    try:
+        torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
+        cuda_allocator.configure()
+        assert torch._C._accelerator_getAllocatorSettings() == "expandable_segments:True"
+    finally:
+        torch._C._accelerator_setAllocatorSettings(before)
+
+
 @pytest.mark.parametrize("name", cuda_allocator.ALLOC_CONF_VARS)
 def test_an_operators_setting_is_kept(clean_env, name):
     clean_env.setenv(name, "max_split_size_mb:512")

@@ -8,7 +8,8 @@ larger (80k to 119k tokens) and the 256 x 512 sample 1.14x (eager) to 1.19x (CUD
 session 5). vLLM turns them off around its sleep-mode pool by itself (its device_allocator/cumem.py).
 
 The setting is an environment variable, so that the processes a worker starts (vLLM's tensor-parallel workers, Ray's
-actors: ray_runtime/cluster.py forwards it) allocate the same way. torch reads it when CUDA first initialises.
+actors: ray_runtime/cluster.py forwards it) allocate the same way; where torch is imported already, this
+process's allocator is set as well.
 """
 
 import logging
@@ -38,11 +39,11 @@ def configure() -> tuple[str, str]:
         return name, value
     os.environ[name] = value
     torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        # too late for this process's allocator; the processes it starts still read it
-        log.warning("torch CUDA allocator: CUDA was initialised before the worker set %s=%s; only the processes it "
-                    "starts use it", name, value)
-    else:
-        log.info("torch CUDA allocator: %s=%s (the worker's default; the trainer's reserved memory then follows "
-                 "what it allocates, and vLLM's share grows by the difference)", name, value)
+    if torch is not None:
+        # torch may have read the environment already (when differs between releases): this process's allocator
+        # takes it too, for every segment it maps from here on, as vLLM's device_allocator/alloc_conf.py writes it
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        (setter or torch.cuda.memory._set_allocator_settings)(value)
+    log.info("torch CUDA allocator: %s=%s (the worker's default; the trainer's reserved memory then follows what it "
+             "allocates, and vLLM's share grows by the difference)", name, value)
     return name, value
