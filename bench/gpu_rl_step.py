@@ -75,7 +75,8 @@ DEFAULTS = {"cuda": dict(model="randq-0.5b", dtype="bfloat16", prompts=256, max_
             "cpu": dict(model="tinyq-micro", dtype="float32", prompts=16, max_tokens=16, prompt_len=16, steps=3,
                         warmup=1, raw_rounds=3, rank=8)}
 # what the worker's log says about its memory and sleep mode, kept in the JSON
-MEMORY_LINES = r"vLLM memory share|engine's weights|keeps its own copy"  # also printed after the table
+# (also printed after the table)
+MEMORY_LINES = r"vLLM memory share|engine's weights|keeps its own copy|after vLLM's start|dry pass|CUDA allocator"
 LOG_LINES = re.compile(MEMORY_LINES + r"|fall asleep|wake up tags|Sleep mode freed|KV cache|engine run:")
 
 
