@@ -40,8 +40,8 @@ def configure() -> tuple[str, str]:
     os.environ[name] = value
     torch = sys.modules.get("torch")
     if torch is not None:
-        # torch may have read the environment already (when differs between releases): this process's allocator
-        # takes it too, for every segment it maps from here on, as vLLM's device_allocator/alloc_conf.py writes it
+        # torch may have read the environment already (when it reads it differs between releases): this process's
+        # allocator takes the setting too, for every segment it maps from here on (written as vLLM's alloc_conf.py does)
         setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
         (setter or torch.cuda.memory._set_allocator_settings)(value)
     log.info("torch CUDA allocator: %s=%s (the worker's default; the trainer's reserved memory then follows what it "
