@@ -39,10 +39,10 @@ from schemas import (  # noqa: E402
     OptimStepRequest,
 )
 from tinkerq.config import QueueConfig, RuntimeConfig  # noqa: E402
-from worker.journal import Journal  # noqa: E402
+from worker.durability.journal import Journal  # noqa: E402
+from worker.durability.restore import Restorer  # noqa: E402
 from worker.main import WorkerProcess  # noqa: E402
-from worker.restore import Restorer  # noqa: E402
-from worker.runtimes import build_runtime  # noqa: E402
+from worker.runtime.registry import build_runtime  # noqa: E402
 
 
 def datum(i: int, length: int) -> Datum:
@@ -69,7 +69,7 @@ def synchronize() -> None:
 
 def timed(worker: WorkerProcess, times: dict[str, list[float]]) -> None:
     """Record the wall time the dispatcher spends on each training op, by kind."""
-    execute = worker.dispatcher._execute
+    execute = worker.serving.dispatcher._execute
 
     def each(shard, rid, request):  # noqa: ANN001, ANN202
         t0 = time.perf_counter()
@@ -77,7 +77,7 @@ def timed(worker: WorkerProcess, times: dict[str, list[float]]) -> None:
         synchronize()
         times.setdefault(request.kind, []).append(time.perf_counter() - t0)
 
-    worker.dispatcher.sequencer.execute = each
+    worker.serving.dispatcher.sequencer.execute = each
 
 
 def run(r: Redis, runtime, durable: bool, model_id: str, times: dict, every: int = 0, background: bool = True) -> float:
@@ -99,7 +99,7 @@ def write_costs(r: Redis, request, n: int = 300) -> dict[str, float]:
     """The result write alone, p50 ms, without and with the journal entry of a forward_backward of this shape
     (interleaved): the part of the overhead the shared machine's noise does not drown."""
     from tinkerq import keys
-    from worker.fencing import Fence
+    from worker.shards.fencing import Fence
 
     fence = Fence(r, "bench", 60_000)
     fence.acquire([0])

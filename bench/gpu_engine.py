@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from schemas import CreateModelRequest, LoraConfig, SampleRequest, SamplingParams, WeightSyncRequest  # noqa: E402
 from tinkerq.config import RuntimeConfig  # noqa: E402
 from tinkerq.local_models import resolve  # noqa: E402
-from worker.runtimes import build_runtime  # noqa: E402
+from worker.runtime.registry import build_runtime  # noqa: E402
 
 
 def hbm_bandwidth(device: str) -> float:

@@ -168,7 +168,7 @@ def baseline(args) -> dict:
     from vllm import SamplingParams as VllmParams
 
     from tinkerq.config import RuntimeConfig
-    from worker.runtimes import build_runtime
+    from worker.runtime.registry import build_runtime
     from worker.vllm_runtime import translate
 
     tmp = Path(tempfile.mkdtemp(prefix="tinkerq-rl-baseline-"))

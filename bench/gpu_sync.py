@@ -39,7 +39,7 @@ from schemas import (  # noqa: E402
     WeightSyncRequest,
 )
 from tinkerq.config import RuntimeConfig  # noqa: E402
-from worker.runtimes import build_runtime  # noqa: E402
+from worker.runtime.registry import build_runtime  # noqa: E402
 
 AWAY = [t + 20 for t in TARGET]  # another completion, trained on every other step
 MODES = {"lora": ("lora", True), "merged": ("merged", True), "lora-file": ("lora", False),

@@ -86,10 +86,10 @@ from tinkerq import keys  # noqa: E402
 from tinkerq.catalog import BaseModelCatalog  # noqa: E402
 from tinkerq.config import LimitsConfig, QueueConfig, RuntimeConfig  # noqa: E402
 from tinkerq.jobs import JobSerializer  # noqa: E402
-from worker.admission import Admission  # noqa: E402
-from worker.journal import Journal  # noqa: E402
+from worker.consumer.admission import Admission  # noqa: E402
+from worker.consumer.rq_worker import AllowlistJob  # noqa: E402
+from worker.durability.journal import Journal  # noqa: E402
 from worker.main import WorkerProcess, connect  # noqa: E402
-from worker.rq_worker import AllowlistJob  # noqa: E402
 from worker.runtime.process_activity import Activity  # noqa: E402
 from worker.runtime.runtime import Runtime  # noqa: E402
 from worker.torch_runtime.assembly import make_engine, make_trainer  # noqa: E402

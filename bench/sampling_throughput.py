@@ -44,7 +44,7 @@ from schemas import (  # noqa: E402
     WeightSyncRequest,
 )
 from tinkerq.config import QueueConfig, RuntimeConfig  # noqa: E402
-from worker.runtimes import build_runtime  # noqa: E402
+from worker.runtime.registry import build_runtime  # noqa: E402
 
 MODEL = "bench:train:0"
 

@@ -34,7 +34,7 @@ from schemas import (  # noqa: E402
     WeightSyncRequest,
 )
 from tinkerq.config import RuntimeConfig  # noqa: E402
-from worker.runtimes import build_runtime  # noqa: E402
+from worker.runtime.registry import build_runtime  # noqa: E402
 
 PROMPT = [5, 6, 7, 8, 9, 10]
 TARGET = [40, 41, 42, 43, 44, 45, 46, 47]

@@ -42,7 +42,7 @@ def worker(
     """Run a long-lived worker: load the runtime once, then consume the shards it owns, in order."""
     from tinkerq.config import QueueConfig, RuntimeConfig
     from worker.main import WorkerProcess, connect, worker_name
-    from worker.runtimes import build_runtime
+    from worker.runtime.registry import build_runtime
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if runtime:

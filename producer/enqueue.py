@@ -247,7 +247,7 @@ class Producer:
         pipe.multi()
         for request, ticket, item in batch.fresh:
             self._enqueue(pipe, request, ticket, item)
-        for shard in batch.added:  # wake the shard's owner (worker/claim.py): one entry at most
+        for shard in batch.added:  # wake the shard's owner (worker/consumer/claim.py): one entry at most
             pipe.rpush(keys.bell_key(shard), 1)
             pipe.ltrim(keys.bell_key(shard), -1, -1)
         pipe.execute()

@@ -14,7 +14,7 @@ from commands.processes import TinkerqProc
 from commands.redis_server import EmbeddedRedis
 from tinkerq.config import QueueConfig, RuntimeConfig
 from worker.main import WorkerProcess
-from worker.runtimes import build_runtime
+from worker.runtime.registry import build_runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 

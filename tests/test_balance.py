@@ -11,7 +11,7 @@ from producer import Producer
 from schemas import ErrorResponse, SampleOutput, SampleRequest, SamplingParams
 from test_durable import answered, training
 from tinkerq import keys
-from worker.membership import fair_share
+from worker.shards.membership import fair_share
 
 
 def owners(r, config) -> dict[int, str | None]:

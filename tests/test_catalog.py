@@ -10,7 +10,7 @@ from tinkerq.catalog import BaseModelCatalog, UnknownBaseModel
 from tinkerq.config import RuntimeConfig
 from tinkerq.local_models import LOCAL_MODELS, PACKAGED_MODELS, resolve
 from worker.runtime import DomainError
-from worker.runtimes import build_runtime, runtime_name
+from worker.runtime.registry import build_runtime, runtime_name
 
 KEY = {"X-API-Key": "tml-good"}
 

@@ -12,7 +12,7 @@ import yaml
 
 from commands.cli import app
 from tinkerq.config import RuntimeConfig
-from worker.runtimes import RUNTIMES, runtime_name
+from worker.runtime.registry import RUNTIMES, runtime_name
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = yaml.safe_load((ROOT / "docker-compose.yml").read_text())

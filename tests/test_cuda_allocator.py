@@ -7,7 +7,7 @@ import pytest
 from tinkerq.config import RuntimeConfig
 from worker.ray_runtime import cluster
 from worker.runtime import cuda_allocator
-from worker.runtimes import build_runtime
+from worker.runtime.registry import build_runtime
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from schemas import (
 from schemas.ids import losses_model_id
 from tinkerq.config import RuntimeConfig
 from worker.runtime import DomainError
-from worker.runtimes import build_runtime
+from worker.runtime.registry import build_runtime
 from worker.torch_runtime import custom_loss
 from worker.torch_runtime.custom_loss import CustomLossError, compile_loss, run_loss_batch
 

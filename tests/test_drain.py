@@ -11,7 +11,7 @@ from producer import Producer
 from schemas import ErrorResponse, SampleRequest, SamplingParams
 from test_durable import answered, owns_all, training
 from tinkerq import keys
-from worker.journal import Journal
+from worker.durability.journal import Journal
 
 
 def cli(redis_url: str, config, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:

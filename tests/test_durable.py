@@ -1,5 +1,5 @@
-"""A dead worker loses nothing: each model's training journal (worker/journal.py) rebuilds it on any worker
-(worker/restore.py), and a standby that takes a shard carries the run on where the dead owner left it."""
+"""A dead worker loses nothing: each model's training journal (worker/durability/journal.py) rebuilds it on any worker
+(worker/durability/restore.py), and a standby that takes a shard carries the run on where the dead owner left it."""
 
 import random
 import signal
@@ -28,10 +28,10 @@ from schemas import (
 )
 from tinkerq import keys
 from tinkerq.config import QueueConfig, RuntimeConfig
-from worker.fencing import Fence, FencedOut
-from worker.journal import Journal
-from worker.restore import Restorer
-from worker.runtimes import build_runtime
+from worker.durability.journal import Journal
+from worker.durability.restore import Restorer
+from worker.runtime.registry import build_runtime
+from worker.shards.fencing import Fence, FencedOut
 
 BASE = "tinyq-micro"
 PROMPT = [5, 6, 7, 8]

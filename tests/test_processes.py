@@ -18,7 +18,7 @@ from producer import Producer
 from schemas import CreateModelRequest, ErrorResponse, SampleOutput, SampleRequest, WeightSyncRequest
 from tinkerq import keys
 from tinkerq.config import QueueConfig
-from worker.fencing import Fence, FencedOut
+from worker.shards.fencing import Fence, FencedOut
 
 pytestmark = pytest.mark.slow
 FORK = multiprocessing.get_context("fork")

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from schemas import AdamParams, ForwardBackwardRequest, ForwardRequest, OptimStepRequest, WeightSyncRequest
 from worker.ray_runtime import cluster
 from worker.ray_runtime.data_parallel import assignment
-from worker.runtimes import build_runtime
+from worker.runtime.registry import build_runtime
 
 
 @pytest.fixture(scope="module")

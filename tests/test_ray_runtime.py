@@ -40,7 +40,7 @@ from schemas import (
 from worker.ray_runtime import cluster
 from worker.ray_runtime.trainers import RanksLost
 from worker.runtime import DomainError
-from worker.runtimes import build_runtime
+from worker.runtime.registry import build_runtime
 
 
 @pytest.fixture(scope="module")
@@ -310,7 +310,7 @@ def test_remove_model_drops_it_on_every_rank_and_it_can_be_built_again(runtimes)
 
 
 def test_warm_loads_a_base_on_every_rank_and_replica_before_any_model_of_it(runtimes):
-    """What a standby's preload calls (worker/preload.py): the base loaded in each trainer rank's and each engine
+    """What a standby's preload calls (worker/shards/preload.py): the base loaded in each trainer rank's and each engine
     replica's own process, not on first use after a takeover; a base not served is refused."""
     _, distributed = runtimes
     warmed = "tinyq-tied"  # no other test of this module loads it

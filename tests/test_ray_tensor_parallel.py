@@ -19,7 +19,7 @@ from ray_helpers import PROMPTS, config, create, step  # noqa: E402
 
 from schemas import SampleOutput, SampleRequest, SamplingParams  # noqa: E402
 from worker.ray_runtime import cluster  # noqa: E402
-from worker.runtimes import build_runtime  # noqa: E402
+from worker.runtime.registry import build_runtime  # noqa: E402
 
 # vLLM's merged LoRA arithmetic against the trainer's, in float32 (tests/test_vllm_engine.py, MERGED_TOLERANCE)
 TOLERANCE = 3e-4

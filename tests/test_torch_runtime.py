@@ -24,7 +24,7 @@ from schemas import (
 )
 from tinkerq.config import RuntimeConfig
 from worker.runtime import DomainError
-from worker.runtimes import build_runtime
+from worker.runtime.registry import build_runtime
 
 BASE = "tinyq-micro"
 PROMPT = [5, 6, 7, 8, 9, 10]

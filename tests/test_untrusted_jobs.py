@@ -36,7 +36,7 @@ from schemas import (
 from tinkerq import keys
 from tinkerq.config import RuntimeConfig
 from worker.main import WorkerProcess
-from worker.runtimes import build_runtime
+from worker.runtime.registry import build_runtime
 
 M = "untrusted:train:0"
 WAIT_S = 20
@@ -253,7 +253,7 @@ def test_forged_dependents_retries_and_repeats_are_not_acted_on(r, config, tmp_p
 
 
 def test_a_zlib_bomb_in_the_job_data_is_refused_not_inflated(r, config, tmp_path, monkeypatch):
-    from worker.rq_worker import AllowlistJob
+    from worker.consumer.rq_worker import AllowlistJob
 
     monkeypatch.setattr(AllowlistJob, "max_data_bytes", 1 << 20, raising=False)  # the bound, scaled down for the test
     producer = Producer(r, config)
@@ -285,7 +285,7 @@ def test_a_corrupt_job_in_the_batch_look_ahead_fails_only_itself(r, config, tmp_
     assert isinstance(producer.get(last.request_id), SampleOutput)
     assert producer.get(bad_date.request_id).code == "invalid_job"
     assert producer.get(too_many.request_id).code == "limit_exceeded"
-    assert worker.dispatcher.runtime.engine.batches[0] == 2  # the first and the last, together, and no one else
+    assert worker.serving.dispatcher.runtime.engine.batches[0] == 2  # the first and the last, together, and no one else
 
 
 def test_a_job_of_a_shard_the_worker_does_not_own_gets_an_explicit_result(r, config, tmp_path):
@@ -678,7 +678,7 @@ def test_a_stop_signal_while_a_claimed_job_loads_leaves_it_for_the_next_owner(r,
     as unloadable: it stays in flight, and the next owner serves it once."""
     from rq.exceptions import StopRequested
 
-    from worker.rq_worker import AllowlistJob
+    from worker.consumer.rq_worker import AllowlistJob
 
     producer = Producer(r, config)
     producer.submit(CreateModelRequest(model_id=M, base_model="ref"))

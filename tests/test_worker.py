@@ -75,7 +75,7 @@ def test_samples_between_barriers_reach_the_engine_as_one_batch(r, producer, con
     mixed = [sample(producer, "other") for _ in range(3)] if keys.shard_of("other", 4) == keys.shard_of(M, 4) else []
     later = [sample(producer) for _ in range(4)]
     worker = drain(r, config, tmp_path)
-    batches = worker.dispatcher.runtime.engine.batches
+    batches = worker.serving.dispatcher.runtime.engine.batches
     assert batches[0] == 5 + len(mixed), batches
     assert sum(batches) == len(first) + len(mixed) + len(later)
     assert {result(producer, t).weights_version for t in later} == {1}
@@ -171,10 +171,10 @@ def test_samples_served_before_an_engine_crash_are_finished_in_rq_and_leave_the_
 
 def test_a_crash_mid_batch_puts_the_claimed_samples_back_at_the_front_in_order(r, producer, config, tmp_path):
     from schemas import Limits
-    from worker.admission import Admission
-    from worker.batching import Batcher
-    from worker.fencing import Fence
-    from worker.recovery import recover
+    from worker.consumer.admission import Admission
+    from worker.consumer.recovery import recover
+    from worker.serving.batching import Batcher
+    from worker.shards.fencing import Fence
 
     create(producer)
     worker = drain(r, config, tmp_path)
@@ -432,7 +432,7 @@ def test_job_data_is_inflated_once_and_reads_as_rq_reads_it(r):
     """AllowlistJob hands RQ the data it already inflated (checking its size) exactly where RQ's own inflating would
     give the same bytes; anything else (not zlib, trailing bytes, a truncated stream) goes to RQ as it came. Either
     way the worker's saves leave the stored data alone."""
-    from worker.rq_worker import AllowlistJob
+    from worker.consumer.rq_worker import AllowlistJob
 
     payload = json.dumps(["worker.jobs.sample", None, [{"a": [1.5, 2]}], {}]).encode()
     cases = {"level1": zlib.compress(payload, 1), "level9": zlib.compress(payload, 9), "plain": payload,

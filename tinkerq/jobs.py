@@ -3,7 +3,7 @@ data is written (JobSerializer).
 
 Producers enqueue by these names and the worker runs only jobs that carry one of them. A name is a label, not
 an import path: the worker never imports it, it hands every admitted job to its dispatcher
-(`worker.rq_worker.AllowlistJob`). The names are the dotted paths the job functions once had, kept as they are
+(`worker.consumer.rq_worker.AllowlistJob`). The names are the dotted paths the job functions once had, kept as they are
 so jobs already queued in Redis under them still run after an upgrade.
 """
 

@@ -1,6 +1,6 @@
 """Redis key layout and routing: every key tinkerq writes is named here. Every key of a model carries the model
 id in braces. The structures behind them are owned by small classes that name their operations (the API's
-records: producer/api/state.py; the in-flight list: worker/inflight.py; held training ops: worker/held.py)."""
+records: producer/api/state.py; the in-flight list: worker/consumer/inflight.py; held training ops: worker/serving/held.py)."""
 
 from hashlib import blake2b
 from typing import TYPE_CHECKING
@@ -104,14 +104,14 @@ def info_key(model_id: str) -> str:
 
 def journal_key(model_id: str) -> str:
     """The model's training journal: every state-changing op whose result was stored, as request JSON, in the
-    order it ran (list; worker/journal.py). Appended in the same fenced write as the op's result."""
+    order it ran (list; worker/durability/journal.py). Appended in the same fenced write as the op's result."""
     return model_key(model_id, "journal")
 
 
 def journal_base_key(model_id: str) -> str:
     """Where the model's journal starts (hash): "offset", the entries trimmed from its head (a durable checkpoint
     holds their effect); "json", that checkpoint's record; "steps", the optim_steps journaled since it
-    (worker/checkpointer.py). Written only by fenced scripts, with the journal."""
+    (worker/durability/checkpointer.py). Written only by fenced scripts, with the journal."""
     return model_key(model_id, "journal_base")
 
 

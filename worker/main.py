@@ -17,15 +17,15 @@ from tinkerq import keys
 from tinkerq.config import QueueConfig
 from tinkerq.jobs import JobSerializer
 from tinkerq.keys import shard_of_queue
-from worker.claim import Claimer
-from worker.dispatcher import Dispatcher
-from worker.fencing import Fence, FencedOut, FencedRedis
-from worker.membership import Membership, fair_share
-from worker.outage import REDIS_DOWN, wait_for_redis
-from worker.preload import Preloader
-from worker.recovery import recover
-from worker.rq_worker import LostJob, ShardQueue, ShardWorker
+from worker.consumer.claim import Claimer
+from worker.consumer.recovery import recover
+from worker.consumer.rq_worker import LostJob, ShardQueue, ShardWorker
 from worker.runtime import Runtime
+from worker.serving.dispatcher import Dispatcher
+from worker.shards.fencing import Fence, FencedOut, FencedRedis
+from worker.shards.membership import Membership, fair_share
+from worker.shards.outage import REDIS_DOWN, wait_for_redis
+from worker.shards.preload import Preloader
 from worker.shutdown import StopWatchdog
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ SIGTERM or SIGINT asks the worker to stop: it takes no new job, admits no more s
 returns once the job in hand is done. A worker whose Redis is frozen, down or slow may never get there (a call
 blocked on a socket, a result write waiting out an outage), so a watchdog ends the process `grace_s` after the
 first signal, with status 0: a stop, not a crash. Nothing acknowledged is dropped by that: the job in hand is
-still in its shard's intermediate list (claims are atomic, worker/claim.py), parked ops are in Redis, and the
+still in its shard's intermediate list (claims are atomic, worker/consumer/claim.py), parked ops are in Redis, and the
 leases lapse after their TTL, so the next owner's recovery serves them. A second signal exits at once.
 """
 

@@ -1,4 +1,4 @@
-"""Assemble the Ray runtime (`worker/runtimes.py` picks it): join or start Ray, place the bundles, start the
+"""Assemble the Ray runtime (`worker/runtime/registry.py` picks it): join or start Ray, place the bundles, start the
 engine replicas and trainer ranks on them, and put the facades in front."""
 
 import logging

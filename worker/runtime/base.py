@@ -78,7 +78,7 @@ def in_order(serve: Callable[[Keyed, Done], None], requests: list[SampleRequest]
 
 class DurableCheckpoint(BaseModel):
     """A model's whole state on disk (Trainer.save_durable) and what the Runtime knew beside it: the version last
-    applied and the archive of every persisted one. Recorded in the journal's base (worker/journal.py)."""
+    applied and the archive of every persisted one. Recorded in the journal's base (worker/durability/journal.py)."""
 
     path: str
     applied: int
@@ -146,7 +146,7 @@ class Engine(ABC):
 
     def warm(self, base_model: str) -> None:  # noqa: B027 - optional
         """Start what serving models of `base_model` needs (an engine, its weights) now rather than on first use:
-        a standby warms the bases it may take over (worker/preload.py). DomainError for a base not served here."""
+        a standby warms the bases it may take over (worker/shards/preload.py). DomainError for a base not served here."""
 
     def check_base(self, base_model: str) -> None:
         """Raise DomainError unless this engine can serve samples of the bare base model (no adapter)."""
@@ -201,7 +201,7 @@ class Trainer(ABC):
         return model_id
 
     def warm(self, base_model: str) -> None:  # noqa: B027 - optional
-        """Load `base_model` now rather than at the first create or restore on it (a standby, worker/preload.py).
+        """Load `base_model` now rather than at the first create or restore on it (a standby, worker/shards/preload.py).
         DomainError for a base this deployment does not serve."""
 
     @abstractmethod

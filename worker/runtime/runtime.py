@@ -103,7 +103,7 @@ class Runtime:
 
     def warm(self, base_model: str) -> None:
         """Load the base into the trainer and start its engine before any model of it is served here, so a shard
-        taken over later pays neither (worker/preload.py). DomainError for a base this deployment does not serve."""
+        taken over later pays neither (worker/shards/preload.py). DomainError for a base this deployment does not serve."""
         self.trainer.warm(base_model)
         self.engine.warm(base_model)
 
@@ -115,7 +115,7 @@ class Runtime:
         self._paths = {key: path for key, path in self._paths.items() if key[0] != model_id}
 
     def replay(self, request, snapshots: dict[int, str]) -> None:
-        """Run a journaled op again to rebuild the model (worker/restore.py); its output is dropped. A persisted
+        """Run a journaled op again to rebuild the model (worker/durability/restore.py); its output is dropped. A persisted
         sync is not saved again: its archive is recorded already (`snapshots`: version -> path)."""
         if isinstance(request, WeightSyncRequest) and request.persist and request.version in snapshots:
             self.sync_weights(request, saved=snapshots[request.version])
@@ -125,7 +125,7 @@ class Runtime:
             self.execute(request)
 
     def checkpoint(self, model_id: str, name: str) -> DurableCheckpoint | None:
-        """Write the model's whole state, live snapshots included (worker/checkpointer.py). None when this runtime
+        """Write the model's whole state, live snapshots included (worker/durability/checkpointer.py). None when this runtime
         cannot: its trainer writes no durable state, or its engine cannot give a live snapshot back."""
         pending = self.capture(model_id)
         return None if pending is None else pending.write(name)

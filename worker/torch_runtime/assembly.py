@@ -1,4 +1,4 @@
-"""Assemble the torch runtime from settings (`worker/runtimes.py` picks it): the torch trainer beside a vLLM or a
+"""Assemble the torch runtime from settings (`worker/runtime/registry.py` picks it): the torch trainer beside a vLLM or a
 PyTorch engine; the Ray runtime's actors build their parts here too."""
 
 import dataclasses

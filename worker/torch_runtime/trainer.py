@@ -257,7 +257,7 @@ class TorchTrainer(Trainer):
                 torch.save(trained.optimizer.state_dict(), Path(tmp) / "optimizer.pt")
             return str(write_archive(Path(tmp), paths.checkpoint_file(self.root, model_id, "weights", name, ".tar.gz")))
 
-    # -- durable checkpoints (worker/checkpointer.py) ---------------------------------------------
+    # -- durable checkpoints (worker/durability/checkpointer.py) ---------------------------------------------
 
     def save_durable(self, model_id: str, name: str, snapshots: dict[int, LoraWeights]) -> str:
         """Adapter, AdamW state, pending gradients, LoRA config and each live snapshot's adapter, as one archive

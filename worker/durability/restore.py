@@ -1,8 +1,8 @@
 """Rebuild a model this worker does not hold (or holds stale) from its journal, on first use.
 
 A worker that takes over a shard meets models whose state lived in the dead owner's memory. Their journal
-(worker/journal.py) holds every op whose result was stored since the model's last durable checkpoint
-(worker/checkpointer.py), so loading that checkpoint (or starting from create_model when there is none) and
+(worker/durability/journal.py) holds every op whose result was stored since the model's last durable checkpoint
+(worker/durability/checkpointer.py), so loading that checkpoint (or starting from create_model when there is none) and
 replaying the entries gives the same adapter, optimizer, pending gradients and weight versions: ops on the CPU in
 float32 are deterministic, and create_model's LoRA seed is journaled. This worker tracks how much of each journal its own
 copy reflects, so a copy that fell behind (the shard went elsewhere and came back) replays the tail, and one that
@@ -16,7 +16,7 @@ from redis import Redis
 
 from schemas import ErrorResponse
 from tinkerq import keys
-from worker.journal import CorruptJournal, Journal
+from worker.durability.journal import CorruptJournal, Journal
 from worker.runtime import DomainError, Runtime
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ from redis import Redis
 
 from schemas import RecordedSequence, SampleOutput, SampleRequest
 from tinkerq import keys
-from worker.fencing import Fence
+from worker.shards.fencing import Fence
 
 # KEYS: (lease), record. ARGV: (token), ttl, then field, value pairs.
 _RECORD = """

@@ -10,7 +10,7 @@ The taken jobs move atomically from the queue to the shard's in-flight list (so 
 recovery puts them back at the front); each result is stored as it is ready, and the jobs served in one
 engine step are marked finished in RQ together, at the next step; on an exception the unfinished ones go
 back to the head of the queue and are retried one by one.
-Looked-ahead jobs are judged like popped ones (worker/admission.py); one that is refused, or whose hash cannot
+Looked-ahead jobs are judged like popped ones (worker/consumer/admission.py); one that is refused, or whose hash cannot
 even be loaded, is left in the queue to be answered on its own turn, and fails no one else.
 """
 
@@ -28,10 +28,10 @@ from rq.utils import now, utcformat
 from schemas import Result, SampleRequest
 from tinkerq import keys, queues
 from tinkerq.jobs import JobSerializer
-from worker.admission import Admission, Admitted, job_id
-from worker.fencing import Fence
-from worker.inflight import InFlightList
-from worker.rq_worker import AllowlistJob
+from worker.consumer.admission import Admission, Admitted, job_id
+from worker.consumer.inflight import InFlightList
+from worker.consumer.rq_worker import AllowlistJob
+from worker.shards.fencing import Fence
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
-"""Training ops held for their turn (worker/sequencing.py): per model, the held request ids by seq_id and their
+"""Training ops held for their turn (worker/serving/sequencing.py): per model, the held request ids by seq_id and their
 payloads; per shard, each held op's deadline. An op leaves through `take`, which only one caller wins. Every write
-is fenced (worker/fencing.py): a former owner woken from a pause can neither park an op nor take one out.
+is fenced (worker/shards/fencing.py): a former owner woken from a pause can neither park an op nor take one out.
 
-What is read back is untrusted, as a popped job is (worker/admission.py): anyone who can write to Redis can park an
+What is read back is untrusted, as a popped job is (worker/consumer/admission.py): anyone who can write to Redis can park an
 op. A member that names no request (not UTF-8, not a request id, a deadline of a model routed to another shard) is
 dropped; a taken op is judged as admission judges a job's payload, and must be the op it was parked as (its model and
 seq_id), else it is refused, to be answered with that ErrorResponse."""
@@ -14,8 +14,8 @@ from redis import Redis
 
 from schemas import ErrorResponse, Request, seq_id_of
 from tinkerq import keys
-from worker.admission import Admission, Admitted, Refused, Verdict, job_id
-from worker.fencing import Fence
+from worker.consumer.admission import Admission, Admitted, Refused, Verdict, job_id
+from worker.shards.fencing import Fence
 
 log = logging.getLogger(__name__)
 

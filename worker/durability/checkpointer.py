@@ -5,7 +5,7 @@ are stored, its owner captures the model's whole state (adapter, AdamW state, Lo
 live snapshot's weights, the versions it synced and the archives of the persisted ones) and writes it to the
 checkpoint root that every worker reads (the trainer writes it under a temp name and renames it), then records it as
 the journal's base and drops the entries it covers, in one fenced script (Fence.trim_journal). A restore loads it
-and replays what follows (worker/restore.py). A checkpoint that fails to write changes nothing: the journal keeps
+and replays what follows (worker/durability/restore.py). A checkpoint that fails to write changes nothing: the journal keeps
 its entries and the next step tries again.
 
 Asynchronous (TINKERQ_DURABLE_ASYNC, the default, where the trainer can copy its state aside): the step copies the
@@ -22,9 +22,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker.fencing import Fence, FencedOut
-from worker.journal import Journal
+from worker.durability.journal import Journal
 from worker.runtime import DurableCheckpoint, PendingCheckpoint, Runtime
+from worker.shards.fencing import Fence, FencedOut
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from redis import Redis
 from redis.client import Pipeline
 
 from tinkerq import keys
-from worker.outage import retrying
+from worker.shards.outage import retrying
 
 # The one lease check every fenced script starts with (prepended by `Fence.script`): KEYS[1] is the shard's lease,
 # ARGV[1] the writer's token. A writer whose lease lapsed or was taken over (a higher epoch) gets -1 and has
@@ -71,7 +71,7 @@ end
 return stored
 """
 
-# A result (as _PUT_RESULTS) plus the model's journal entry for a state-changing op (worker/journal.py), in one step:
+# A result (as _PUT_RESULTS) plus the model's journal entry for a state-changing op (worker/durability/journal.py), in one step:
 # a result is published only once the op is recoverable. The model's last seq moves too (max), so an owner dying right
 # after this write leaves the sequencer's position right. An optim_step counts towards the next durable checkpoint.
 # Returns the journal's length counted from its first entry ever (trimmed ones too), 0 if a result was stored already.
@@ -91,7 +91,7 @@ return length + tonumber(redis.call('HGET', KEYS[6], 'offset') or '0')
 """
 
 # A durable checkpoint covers the journal's first `upto` entries: record it and drop those, keeping the ones journaled
-# while it was written (worker/checkpointer.py), and take the optim_steps it covers off the count towards the next.
+# while it was written (worker/durability/checkpointer.py), and take the optim_steps it covers off the count towards the next.
 # Refused (0) unless entry `upto` - 1 is still listed: an older checkpoint never replaces a newer one, and no entry
 # the checkpoint lacks is dropped. Every command that can fail runs before the first write: Redis does not undo a
 # script's writes when a later command fails (HINCRBY by "-0", a checkpoint covering no optim_step, did, after the
@@ -315,7 +315,7 @@ class Fence:
         self._hdel(shard, [key], [field], key)
 
 
-# The commands RQ's bookkeeping of a job writes with (worker/rq_worker.py): fenced while a job is in hand.
+# The commands RQ's bookkeeping of a job writes with (worker/consumer/rq_worker.py): fenced while a job is in hand.
 _WRITES = frozenset({"SET", "DEL", "UNLINK", "EXPIRE", "PEXPIRE", "PERSIST", "HSET", "HMSET", "HDEL", "HINCRBY",
                      "HINCRBYFLOAT", "LPUSH", "RPUSH", "LREM", "SADD", "SREM", "ZADD", "ZREM", "XADD", "XTRIM",
                      "INCR", "INCRBY"})

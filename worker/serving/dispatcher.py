@@ -30,15 +30,15 @@ from schemas import (
 from schemas.arrays import LISTS
 from tinkerq import keys
 from tinkerq.config import LimitsConfig, QueueConfig
-from worker import batching
-from worker.admission import Admission, Refused
-from worker.checkpointer import Checkpointer
-from worker.fencing import Fence, FencedOut
-from worker.journal import Journal, changes_state, reproducible
-from worker.restore import Restorer
+from worker.consumer.admission import Admission, Refused
+from worker.durability.checkpointer import Checkpointer
+from worker.durability.journal import Journal, changes_state, reproducible
+from worker.durability.restore import Restorer
 from worker.runtime import DomainError, Runtime
-from worker.sequencing import Sequencer
-from worker.stability import StabilityRecords
+from worker.serving import batching
+from worker.serving.sequencing import Sequencer
+from worker.serving.stability import StabilityRecords
+from worker.shards.fencing import Fence, FencedOut
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class Dispatcher:
             log.exception("could not store the error result of %s", request_id)
 
     def handle(self, job: Job) -> dict[str, Any]:
-        """Serve a job the worker admitted, or answer the refusal of its payload (worker/admission.py)."""
+        """Serve a job the worker admitted, or answer the refusal of its payload (worker/consumer/admission.py)."""
         verdict = job.verdict
         if verdict is None:
             raise RuntimeError(f"job {job.id} reached the dispatcher without the worker's verdict")
@@ -136,7 +136,7 @@ class Dispatcher:
         elif isinstance(result, (CreateModelOutput, LoadStateOutput)):
             info = {"base_model": result.base_model, "lora_rank": result.lora_rank}
             self.fence.hset(shard, keys.info_key(result.model_id), "json", json.dumps(info))
-            if result.base_model is not None:  # what a standby warms (worker/preload.py)
+            if result.base_model is not None:  # what a standby warms (worker/shards/preload.py)
                 self.fence.hset(shard, keys.shard_bases_key(shard), result.base_model, result.model_id)
         self._register_checkpoint(shard, request, result)
         if self.config.durable and changes_state(request, result):
@@ -145,7 +145,7 @@ class Dispatcher:
             self.finish(shard, rid, result, packed_results(request))
 
     def _finish_journaled(self, shard: int, rid: str, request: Request, result: Result) -> None:
-        """Store the result of a state-changing op together with its journal entry (worker/journal.py)."""
+        """Store the result of a state-changing op together with its journal entry (worker/durability/journal.py)."""
         model_id = request.model_id
         try:
             length = self.fence.put_result_journaled(

@@ -2,7 +2,7 @@
 
 - Jobs run in this process (never a fork): the loaded model and its snapshots persist.
 - Every job read from Redis is untrusted: a queue entry that is not a request id is dropped at the pop, and
-  every job RQ loads is judged by `admit` (worker/admission.py) before RQ acts on it. A job hash is loaded
+  every job RQ loads is judged by `admit` (worker/consumer/admission.py) before RQ acts on it. A job hash is loaded
   without the RQ fields through which RQ would import code, send HTTP requests or enqueue and re-run jobs.
 - Only jobs named in `tinkerq/jobs.py` run, and their names are never imported: each runs in the worker's context
   (its dispatcher). JSON gives no code execution, but importing func_name would.
@@ -11,7 +11,7 @@
 - Every failure path ends with an ErrorResponse stored for the request.
 - The idle loop ticks every `tick_s`, which lets the worker answer held ops whose deadline passed.
 - A queued id whose job hash is gone is answered too (RQ would drop it without a trace).
-- The pop is worker/claim.py's: a job moves from its queue to the queue's intermediate list (the in-flight record)
+- The pop is worker/consumer/claim.py's: a job moves from its queue to the queue's intermediate list (the in-flight record)
   in one step that checks the lease, and leaves that list only once it ended (or went back to the queue head).
 - A Redis outage anywhere in the loop ends `work()` with `outage` set, never a crash: the job in hand stays in
   flight, or goes back to its queue when the lease was lost, and is never marked FAILED for it. WorkerProcess
@@ -47,11 +47,11 @@ from rq.worker import WorkerStatus
 
 from tinkerq.jobs import JOB_NAMES, JobSerializer, QueuedJob
 from tinkerq.keys import shard_of_queue
-from worker import admission
-from worker.admission import Refused, Verdict
-from worker.claim import Claimer, shard_of_key
-from worker.fencing import FencedOut, FencedRedis
-from worker.outage import REDIS_DOWN, RedisGone
+from worker.consumer import admission
+from worker.consumer.admission import Refused, Verdict
+from worker.consumer.claim import Claimer, shard_of_key
+from worker.shards.fencing import FencedOut, FencedRedis
+from worker.shards.outage import REDIS_DOWN, RedisGone
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class AllowlistJob(QueuedJob):
         return super().perform()
 
     def _execute(self) -> dict[str, Any]:
-        # The worker has judged the job and parsed its payload (worker/admission.py); the context takes the parsed
+        # The worker has judged the job and parsed its payload (worker/consumer/admission.py); the context takes the parsed
         # request from the job's verdict.
         if self.context is None:
             raise ForbiddenJob("the job was not handed a context by the worker")
@@ -175,7 +175,7 @@ TRANSIENT: tuple[type[Exception], ...] = (FencedOut, RedisGone, *REDIS_DOWN)
 
 
 class InFlightRecord(IntermediateQueue):
-    """A shard queue's intermediate list: the claimed jobs (worker/claim.py), emptied by the claim (which takes its
+    """A shard queue's intermediate list: the claimed jobs (worker/consumer/claim.py), emptied by the claim (which takes its
     head first) and by recovery, which read its entries as untrusted. RQ's own cleanup of it is off: it decodes and
     loads every entry (a non-UTF-8 one, or an id whose hash is of another type, ended the worker's loop) and marks a
     job it has seen there for a minute FAILED, with no ErrorResponse."""
@@ -441,7 +441,7 @@ class ShardWorker(SimpleWorker):
                                     job.origin)
 
     def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):  # noqa: ANN001, ANN201
-        """Claim the next job (worker/claim.py) instead of RQ's pop. A job that cannot be loaded is answered, a
+        """Claim the next job (worker/consumer/claim.py) instead of RQ's pop. A job that cannot be loaded is answered, a
         queue entry that names no request is dropped, and every job returned carries the worker's verdict."""
         self.set_state(WorkerStatus.IDLE)
         while True:

@@ -14,9 +14,9 @@ from redis import Redis
 
 from schemas import ErrorResponse, Request
 from tinkerq import keys
-from worker.admission import Admission, Refused
-from worker.fencing import Fence, FencedOut
-from worker.held import HeldOps
+from worker.consumer.admission import Admission, Refused
+from worker.serving.held import HeldOps
+from worker.shards.fencing import Fence, FencedOut
 
 log = logging.getLogger(__name__)
 

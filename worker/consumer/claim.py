@@ -15,7 +15,7 @@ from rq import Queue
 from rq.intermediate_queue import IntermediateQueue
 
 from tinkerq import keys
-from worker.fencing import Fence
+from worker.shards.fencing import Fence
 
 # KEYS: per queue, in the order to serve them: queue, intermediate list, lease. ARGV: our lease token per queue.
 # Returns {i, id, lost...}: the job claimed from queue i (its intermediate list's head when it holds one: a claim

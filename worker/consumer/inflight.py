@@ -2,13 +2,13 @@
 
 RQ's intermediate list holds the one job RQ popped; this list holds the samples batched with it. A job moves
 from the queue to here atomically, leaves when it is finished or put back, and recovery requeues what a dead
-owner left here (worker/recovery.py)."""
+owner left here (worker/consumer/recovery.py)."""
 
 from redis import Redis
 from redis.client import Pipeline
 
 from tinkerq import keys
-from worker.fencing import Fence
+from worker.shards.fencing import Fence
 
 # KEYS: (lease), queue, in-flight list. ARGV: (token), job ids. Moves each id still queued; returns the ids moved.
 _CLAIM = """

@@ -6,7 +6,7 @@ registry, or the shard's in-flight list (batched samples); those without a store
 the queue (RQ's own cleanup would fail them or append them at the tail, out of order). Running it twice puts
 nothing in twice: an id already queued is moved, not copied.
 
-Those records are untrusted input, as the jobs are (worker/admission.py): anyone who can write to Redis can write
+Those records are untrusted input, as the jobs are (worker/consumer/admission.py): anyone who can write to Redis can write
 them, and a recovery that raised would stop this worker at takeover, and every later owner of the shard the same
 way. So an entry that names no request is dropped; a request whose record cannot be read (not a hash, a `created`
 that is no time) is refused with an ErrorResponse, as admission refuses a forged job (its place in the order is
@@ -30,10 +30,10 @@ from rq.registry import StartedJobRegistry
 from schemas import ErrorResponse
 from tinkerq import keys
 from tinkerq.keys import shard_of_queue
-from worker import admission
-from worker.fencing import Fence
-from worker.inflight import InFlightList
-from worker.outage import REDIS_DOWN
+from worker.consumer import admission
+from worker.consumer.inflight import InFlightList
+from worker.shards.fencing import Fence
+from worker.shards.outage import REDIS_DOWN
 
 log = logging.getLogger(__name__)
 
