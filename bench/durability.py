@@ -69,7 +69,7 @@ def synchronize() -> None:
 
 def timed(worker: WorkerProcess, times: dict[str, list[float]]) -> None:
     """Record the wall time the dispatcher spends on each training op, by kind."""
-    execute = worker.serving.dispatcher._execute
+    execute = worker.dispatcher._execute
 
     def each(shard, rid, request):  # noqa: ANN001, ANN202
         t0 = time.perf_counter()
@@ -77,7 +77,7 @@ def timed(worker: WorkerProcess, times: dict[str, list[float]]) -> None:
         synchronize()
         times.setdefault(request.kind, []).append(time.perf_counter() - t0)
 
-    worker.serving.dispatcher.sequencer.execute = each
+    worker.dispatcher.sequencer.execute = each
 
 
 def run(r: Redis, runtime, durable: bool, model_id: str, times: dict, every: int = 0, background: bool = True) -> float:

@@ -67,7 +67,7 @@ def standby(r: Redis, config: QueueConfig, tmp_path: Path, engine: str) -> Itera
 
 def warm(worker: WorkerProcess, base: str) -> bool:
     """The base is loaded in the trainer and its engine is up (vLLM's engine object, or the shared torch model)."""
-    runtime = worker.serving.dispatcher.runtime
+    runtime = worker.dispatcher.runtime
     engine_ready = base in runtime.engine.llms if hasattr(runtime.engine, "llms") else True
     return runtime.trainer.bases.loaded(base) is not None and engine_ready
 
@@ -89,7 +89,7 @@ def test_auto_warms_the_bases_of_the_models_on_the_shards_it_may_take(r: Redis, 
     wait_until(lambda: all(r.exists(keys.lease_key(s)) for s in range(config.num_shards)), 30, "the owner's leases")
     with standby(r, config, tmp_path, "torch") as worker:
         wait_until(lambda: worker.preloader.wanted() == [], 10, "the standby's first look")
-        assert worker.serving.dispatcher.runtime.trainer.bases.loaded(BASE) is None  # no model on any shard yet
+        assert worker.dispatcher.runtime.trainer.bases.loaded(BASE) is None  # no model on any shard yet
         producer = Producer(r, config)
         ticket = producer.submit(CreateModelRequest(model_id="warm-me", base_model=BASE, lora=LoraConfig(rank=4)))
         assert producer.wait(ticket.request_id, 30).type == "create_model"

@@ -285,7 +285,7 @@ def test_a_corrupt_job_in_the_batch_look_ahead_fails_only_itself(r, config, tmp_
     assert isinstance(producer.get(last.request_id), SampleOutput)
     assert producer.get(bad_date.request_id).code == "invalid_job"
     assert producer.get(too_many.request_id).code == "limit_exceeded"
-    assert worker.serving.dispatcher.runtime.engine.batches[0] == 2  # the first and the last, together, and no one else
+    assert worker.dispatcher.runtime.engine.batches[0] == 2  # the first and the last, together, and no one else
 
 
 def test_a_job_of_a_shard_the_worker_does_not_own_gets_an_explicit_result(r, config, tmp_path):

@@ -75,7 +75,7 @@ def test_samples_between_barriers_reach_the_engine_as_one_batch(r, producer, con
     mixed = [sample(producer, "other") for _ in range(3)] if keys.shard_of("other", 4) == keys.shard_of(M, 4) else []
     later = [sample(producer) for _ in range(4)]
     worker = drain(r, config, tmp_path)
-    batches = worker.serving.dispatcher.runtime.engine.batches
+    batches = worker.dispatcher.runtime.engine.batches
     assert batches[0] == 5 + len(mixed), batches
     assert sum(batches) == len(first) + len(mixed) + len(later)
     assert {result(producer, t).weights_version for t in later} == {1}
