@@ -1,6 +1,6 @@
 """Configured bounds on what a request may ask for, checked before anything reaches a GPU."""
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from schemas.requests import ForwardRequest, Request, SampleRequest
 
@@ -19,14 +19,18 @@ class Limits(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    max_num_samples: int = 128
-    max_tokens: int = 4096
-    max_prompt_tokens: int = 32768
-    max_topk: int = 20
-    # Bounds the size of one result: num_samples * (prompt + max_tokens) tokens.
-    max_tokens_per_request: int = 262144
-    max_datums: int = 4096
-    max_shard_queue_depth: int = 10000
+    max_num_samples: int = Field(128, description="Samples one sample request may ask for (num_samples).")
+    max_tokens: int = Field(4096, description="Tokens one sample may generate (sampling_params.max_tokens).")
+    max_prompt_tokens: int = Field(32768, description=(
+        "Tokens of one prompt, and of one datum's model_input in a forward or forward_backward."))
+    max_topk: int = Field(20, description="Top-k prompt logprobs a sample request may ask for (topk_prompt_logprobs).")
+    max_tokens_per_request: int = Field(262144, description=(
+        "Bounds the size of one result: num_samples * (prompt + max_tokens) tokens of a sample request, the total "
+        "tokens of a forward or forward_backward's datums."))
+    max_datums: int = Field(4096, description="Datums in one forward or forward_backward.")
+    max_shard_queue_depth: int = Field(10000, description=(
+        "Jobs waiting in one shard queue; a submit past it is refused with 429 queue_full (retryable), as "
+        "backpressure."))
 
     def _bound(self, field: str, value: int, limit_name: str) -> None:
         limit = getattr(self, limit_name)

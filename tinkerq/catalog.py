@@ -10,15 +10,22 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tinkerq import local_models
 
 
 class CatalogSettings(BaseSettings):
+    """The base models a deployment serves. The API and the workers must be started with the same list."""
+
     model_config = SettingsConfigDict(env_prefix="TINKERQ_", frozen=True)
 
-    base_models: str = ""
+    base_models: str = Field("", description=(
+        "Comma-separated: built-in local model names (`tinyq-micro`, `randq-0.5b`, `smollm2`, ...), HF-format "
+        "directories, or `name=path` (a directory served under a name of the operator's choosing, e.g. "
+        "`Qwen/Qwen3-8B=/models/q3`). The API advertises exactly these and accepts only them; a worker builds or "
+        "loads only these. Empty: every built-in local model."))
 
 
 class UnknownBaseModel(ValueError):
