@@ -8,6 +8,8 @@ VLLM_EXTRA ?= $(shell scripts/vllm-extra.sh $(PYTHON))
 EXTRAS  ?= test,dashboard,torch,api,ray$(if $(VLLM_EXTRA),$(comma)$(VLLM_EXTRA))$(if $(filter vllm,$(VLLM_EXTRA)),$(comma)gpu)
 STAMP   := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 PYTEST_ARGS ?=
+# `make bench BENCH_ARGS=--quick`: a few seconds (what the tests run); see bench/queue_overhead.py --help
+BENCH_ARGS ?=
 MODEL   ?= tinyq-micro
 
 .PHONY: install browser test demo bench dashboard clean
@@ -45,7 +47,7 @@ demo: install
 	scripts/with-redis.sh $(VENV)/bin/tinkerq demo --model $(MODEL) $(DEMO_ARGS)
 
 bench: install
-	scripts/with-redis.sh $(VENV)/bin/python bench/queue_overhead.py
+	scripts/with-redis.sh $(VENV)/bin/python bench/queue_overhead.py $(BENCH_ARGS)
 
 dashboard: install
 	$(VENV)/bin/rq-dashboard --json -b 127.0.0.1 -p 9181 -u $${REDIS_URL:-redis://127.0.0.1:6379/0}

@@ -4,6 +4,12 @@ of a round of `--batch` requests (4 samples x 128 tokens each, `submit_many`, on
 bench/sampling_throughput.py) with an engine that costs nothing. One run, one machine.
 
     python bench/queue_overhead.py [--n 300] [--batch 32]   (REDIS_URL, or a private redis-server is started)
+    python bench/queue_overhead.py --quick                   (small rounds, a few seconds: what CI runs)
+
+The worker it starts serves the reference runtime (`--runtime reference`): the engine's cost is not what is
+measured, and a worker's default runtime loads a real model, which knows no `ref` base. Every answer it waits for
+is checked: one that is not what was asked for (an error, or nothing before the timeout) stops the bench with the
+answer, not a number measured over errors.
 
 Prints a table and writes bench/out/queue_overhead.json.
 """
@@ -29,9 +35,31 @@ sys.path.insert(0, str(ROOT))
 from commands.redis_server import EmbeddedRedis  # noqa: E402
 from producer import Producer  # noqa: E402
 from schemas import CreateModelRequest, SampleRequest, SamplingParams  # noqa: E402
+from schemas.results import Result  # noqa: E402
 from tinkerq.config import QueueConfig  # noqa: E402
 
 BARE_QUEUE = "bench.bare"
+# --quick: a few seconds, enough to show every path answers (CI runs it; tests/test_readme_commands.py)
+QUICK = {"n": 25, "warmup": 5, "batch": 8, "rounds": 3, "enqueues": 200}
+
+
+class BenchFailed(SystemExit):
+    """An answer the bench waited for was not the one asked for: stop with what came back (exit status 1)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"queue_overhead: {message}")
+
+
+def expect(result: Result | None, kind: str, what: str, timeout: float, log: Path | None = None) -> Result:
+    """The answer, if it is a `kind` result; else stop the bench naming what came back (and the worker's log)."""
+    see = f"; worker log: {log}" if log else ""
+    if result is None:
+        raise BenchFailed(f"{what}: no answer within {timeout:g} s{see}")
+    if result.type == "error":
+        raise BenchFailed(f"{what}: ErrorResponse {result.code} ({result.status}): {result.error}{see}")
+    if result.type != kind:
+        raise BenchFailed(f"{what}: expected a {kind} result, got {result.type}{see}")
+    return result
 
 
 def percentiles(samples_s: list[float]) -> dict[str, float]:
@@ -40,17 +68,41 @@ def percentiles(samples_s: list[float]) -> dict[str, float]:
             "p99_ms": ms[int(0.99 * len(ms)) - 1], "mean_ms": statistics.fmean(ms)}
 
 
-def start(cmd: list[str], url: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+def start(cmd: list[str], env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen:
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.Popen([sys.executable, *cmd], env=full_env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, cwd=ROOT)
+    out = log.open("w") if log else subprocess.DEVNULL
+    try:
+        return subprocess.Popen([sys.executable, *cmd], env=full_env, stdout=out, stderr=subprocess.STDOUT,
+                                cwd=ROOT)
+    finally:
+        if log:
+            out.close()
 
 
 def bare_rq_worker(url: str) -> subprocess.Popen:
     code = (f"from redis import Redis; from rq import Queue, SimpleWorker; r = Redis.from_url({url!r}); "
             f"SimpleWorker([Queue({BARE_QUEUE!r}, connection=r, serializer='json')], connection=r, "
             "serializer='json').work(logging_level='WARNING')")
-    return start(["-c", code], url)
+    return start(["-c", code])
+
+
+def tinkerq_worker(url: str, log: Path) -> subprocess.Popen:
+    return start(["-m", "commands.cli", "worker", "--redis-url", url, "--runtime", "reference", "--log-level",
+                  "WARNING"], {"TINKERQ_NUM_SHARDS": "1"}, log)
+
+
+def stop(procs: list[subprocess.Popen], grace_s: float = 6.0) -> None:
+    """SIGTERM, then SIGKILL after `grace_s`: the bare RQ worker's warm stop, once it has served jobs, can wait up to
+    a minute on its pub/sub thread, and it holds nothing a kill loses; the tinkerq worker's own stop is bounded
+    within the grace."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def measure_bare(r: Redis, n: int) -> list[float]:
@@ -59,7 +111,10 @@ def measure_bare(r: Redis, n: int) -> list[float]:
     for _ in tqdm(range(n), desc="bare RQ no-op", leave=False):
         t0 = time.perf_counter()
         job = queue.enqueue("os.getpid", result_ttl=60)
-        assert job.latest_result(timeout=10) is not None
+        result = job.latest_result(timeout=10)
+        if result is None or result.type != result.Type.SUCCESSFUL:
+            answer = "no answer within 10 s" if result is None else result.exc_string or result.type
+            raise BenchFailed(f"bare RQ no-op job {job.id}: {answer}")
         latencies.append(time.perf_counter() - t0)
     return latencies
 
@@ -70,7 +125,7 @@ def measure_tinkerq(producer: Producer, n: int) -> list[float]:
     for _ in tqdm(range(n), desc="tinkerq sample", leave=False):
         t0 = time.perf_counter()
         ticket = producer.submit(request)
-        assert producer.wait(ticket.request_id, 10) is not None
+        expect(producer.wait(ticket.request_id, 10), "sample", f"sample {ticket.request_id}", 10)
         latencies.append(time.perf_counter() - t0)
     return latencies
 
@@ -82,7 +137,8 @@ def measure_batch(producer: Producer, size: int, rounds: int) -> list[float]:
     for _ in tqdm(range(rounds), desc=f"rounds of {size}", leave=False):
         t0 = time.perf_counter()
         tickets = producer.submit_many(requests)
-        assert all(producer.wait(t.request_id, 30).type == "sample" for t in tickets)
+        for t in tickets:
+            expect(producer.wait(t.request_id, 30), "sample", f"sample {t.request_id} of a round of {size}", 30)
         latencies.append(time.perf_counter() - t0)
     return latencies
 
@@ -95,22 +151,33 @@ def enqueue_rate(fn, n: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--n", type=int, default=300)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=300, help="single samples (and bare jobs) measured")
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--batch", type=int, default=32, help="requests per round in the batch measurement")
+    parser.add_argument("--rounds", type=int, help="rounds of --batch requests (default: max(10, n / 10))")
+    parser.add_argument("--enqueues", type=int, default=2000, help="jobs enqueued for each enqueue rate")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"small rounds, a few seconds ({', '.join(f'--{k} {v}' for k, v in QUICK.items())})")
     parser.add_argument("--out", default=str(ROOT / "bench" / "out" / "queue_overhead.json"))
     args = parser.parse_args()
+    if args.quick:
+        vars(args).update(QUICK)
+    rounds = args.rounds or max(10, args.n // 10)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    worker_log = out.with_name(out.stem + "-worker.log")
     with ExitStack() as stack:
         url = os.environ.get("REDIS_URL") or stack.enter_context(EmbeddedRedis()).url
         r = Redis.from_url(url)
         r.flushdb()
         config = QueueConfig(num_shards=1)
         producer = Producer(r, config)
-        procs = [bare_rq_worker(url), start(["-m", "commands.cli", "worker", "--redis-url", url, "--log-level",
-                                              "WARNING"], url, {"TINKERQ_NUM_SHARDS": "1"})]
-        stack.callback(lambda: [p.terminate() for p in procs])
-        assert producer.wait(producer.submit(CreateModelRequest(model_id="bench", base_model="ref")).request_id, 60)
+        procs = [bare_rq_worker(url), tinkerq_worker(url, worker_log)]
+        stack.callback(stop, procs)
+        ticket = producer.submit(CreateModelRequest(model_id="bench", base_model="ref"))
+        expect(producer.wait(ticket.request_id, 60), "create_model", "create_model 'bench' (base 'ref')", 60,
+               worker_log)
         measure_bare(r, args.warmup)
         measure_tinkerq(producer, args.warmup)
         # interleave the two in rounds so drift on a shared 2-core machine hits both alike
@@ -118,17 +185,15 @@ def main() -> None:
         for _ in range(5):
             bare += measure_bare(r, args.n // 5)
             ours += measure_tinkerq(producer, args.n // 5)
-        batch = measure_batch(producer, args.batch, max(10, args.n // 10))
-        for p in procs:
-            p.terminate()
-            p.wait()
+        batch = measure_batch(producer, args.batch, rounds)
+        stop(procs)
         producer.close()
         r.flushdb()
         producer = Producer(r, config)
         queue = Queue("bench.enqueue", connection=r, serializer="json")
         sample = SampleRequest(model_id="bench", prompt_tokens=[1, 2, 3, 4])
-        rq_rate = enqueue_rate(lambda: queue.enqueue("os.getpid"), 2000)
-        our_rate = enqueue_rate(lambda: producer.submit(sample), 2000)
+        rq_rate = enqueue_rate(lambda: queue.enqueue("os.getpid"), args.enqueues)
+        our_rate = enqueue_rate(lambda: producer.submit(sample), args.enqueues)
     report = {
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, Python {platform.python_version()}",
         "n": len(ours),
@@ -136,7 +201,8 @@ def main() -> None:
         "tinkerq": percentiles(ours),
         "p50_ratio": statistics.median(ours) / statistics.median(bare),
         "enqueue_per_s": {"bare_rq": rq_rate, "tinkerq": our_rate},
-        "batch_round": {"requests": args.batch, **percentiles(batch)},
+        "batch_round": {"requests": args.batch, "rounds": len(batch), **percentiles(batch)},
+        "quick": args.quick,
     }
     rows = [("bare RQ no-op", report["bare_rq"]), ("tinkerq sample", report["tinkerq"])]
     print(f"\n{'path':<16}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'mean ms':>9}")
@@ -147,9 +213,8 @@ def main() -> None:
     b = report["batch_round"]
     print(f"a round of {args.batch} requests x 4 samples x 128 tokens (submit_many, no engine time): "
           f"p50 {b['p50_ms']:.1f} ms, p90 {b['p90_ms']:.1f} ms")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
