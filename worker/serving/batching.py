@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Claimed:
+class Taken:
     request_id: str
     request: SampleRequest
     job: Job
@@ -57,15 +57,15 @@ class Batcher:
             self._inflight[shard] = InFlightList(shard, self.connection, self.fence)
         return self._inflight[shard]
 
-    def claim(self, queue_key: str, shard: int, limit: int, accept: Callable[[SampleRequest], bool] | None = None,
-              before_any_barrier: bool = False) -> list[Claimed]:
+    def take(self, queue_key: str, shard: int, limit: int, accept: Callable[[SampleRequest], bool] | None = None,
+             before_any_barrier: bool = False) -> list[Taken]:
         """Take up to `limit` queued samples that may be served now (and that `accept` takes), in queue order;
         with `before_any_barrier`, only those ahead of every queued non-sample job."""
         if limit <= 0:
             return []
         candidates = self._servable_ids(queue_key, limit, before_any_barrier)
         loaded = {c.request_id: c for c in self._load(shard, candidates) if accept is None or accept(c.request)}
-        return [loaded[rid] for rid in self.inflight(shard).claim(queue_key, list(loaded))]
+        return [loaded[rid] for rid in self.inflight(shard).take_from(queue_key, list(loaded))]
 
     def _servable_ids(self, queue_key: str, limit: int, before_any_barrier: bool) -> list[str]:
         # an entry that is no request id is left for the pop to drop
@@ -92,7 +92,7 @@ class Batcher:
                     break
         return picked
 
-    def _load(self, shard: int, ids: list[str]) -> list[Claimed]:
+    def _load(self, shard: int, ids: list[str]) -> list[Taken]:
         """The admitted samples among `ids`, loaded one hash at a time: a corrupt one is skipped, not fatal."""
         with self.connection.pipeline(transaction=False) as pipe:
             for rid in ids:
@@ -113,19 +113,19 @@ class Batcher:
             verdict = self.admission.admit(job, queue_name)
             if isinstance(verdict, Admitted) and isinstance(verdict.request, SampleRequest):
                 job.verdict = verdict
-                loaded.append(Claimed(rid, verdict.request, job, started))
+                loaded.append(Taken(rid, verdict.request, job, started))
         return loaded
 
-    def finish(self, shard: int, claimed: list[Claimed], worker_name: str | None) -> None:
+    def finish(self, shard: int, taken: list[Taken], worker_name: str | None) -> None:
         """Mark served jobs FINISHED in RQ (for the dashboard) and drop them from the in-flight list. What RQ's own
-        success path writes, less its rewrite of every field of the job's hash (unchanged since the claim but for
+        success path writes, less its rewrite of every field of the job's hash (unchanged since it was taken but for
         these): the status and times, the result, the finished registry, and the hash's expiry."""
-        if not claimed:
+        if not taken:
             return
         ended = utcformat(now())
         ttl = self.rq_result_ttl_s
         with self.fence.pipeline(shard) as pipe:  # a former owner woken from a pause marks nothing
-            for item in claimed:
+            for item in taken:
                 job = item.job
                 pipe.hset(job.key, mapping={"status": JobStatus.FINISHED.value, "started_at": item.started,
                                             "ended_at": ended})
@@ -136,18 +136,18 @@ class Batcher:
                 self.inflight(shard).remove(item.request_id, pipe)
             pipe.execute()
 
-    def release(self, queue_key: str, shard: int, claimed: list[Claimed]) -> None:
-        """Put claimed jobs back at the head of the queue, in their order (after a failed batch). Fenced: a worker
+    def release(self, queue_key: str, shard: int, taken: list[Taken]) -> None:
+        """Put taken jobs back at the head of the queue, in their order (after a failed batch). Fenced: a worker
         that lost the shard puts nothing back (the new owner's recovery has them)."""
-        if not claimed:
+        if not taken:
             return
         with self.fence.pipeline(shard) as pipe:
-            self.inflight(shard).put_back(queue_key, [item.request_id for item in claimed], pipe)
+            self.inflight(shard).put_back(queue_key, [item.request_id for item in taken], pipe)
             pipe.execute()
 
 
 class EngineRun:
-    """The samples one engine run serves: the job at hand, those claimed with it, and those admitted while it
+    """The samples one engine run serves: the job at hand, those taken with it, and those admitted while it
     runs: only while the worker's other queues (`other_queue_keys`) are empty, and for `admit_s` at most, so
     that a stream of samples on one shard holds up no other job for long."""
 
@@ -161,15 +161,15 @@ class EngineRun:
         self.max_requests = max_requests
         self.admit_until = time.monotonic() + admit_s
         self.requests: dict[str, SampleRequest] = {}  # request id -> request, of every request taken in
-        self.unfinished: dict[str, Claimed] = {}
+        self.unfinished: dict[str, Taken] = {}
         self.served: set[str] = set()
         self._to_store: list[tuple[str, Result]] = []  # served, the result not yet stored
-        self._to_finish: list[Claimed] = []  # served, not yet marked FINISHED in RQ
+        self._to_finish: list[Taken] = []  # served, not yet marked FINISHED in RQ
 
     def start(self, request_id: str, request: SampleRequest) -> list[tuple[str, SampleRequest]]:
         self.requests[request_id] = request
-        return [(request_id, request)] + self._take(self.batcher.claim(self.queue_key, self.shard,
-                                                                        self.max_requests - 1))
+        return [(request_id, request)] + self._take(self.batcher.take(self.queue_key, self.shard,
+                                                                       self.max_requests - 1))
 
     def admit(self, accept: Callable[[SampleRequest], bool]) -> list[tuple[str, SampleRequest]]:
         self.flush()
@@ -179,16 +179,16 @@ class EngineRun:
         mine, *others = queues.lengths(self.batcher.connection, [self.queue_key, *self.other_queue_keys])
         if not mine or any(others):
             return []
-        return self._take(self.batcher.claim(self.queue_key, self.shard, room, accept, before_any_barrier=True))
+        return self._take(self.batcher.take(self.queue_key, self.shard, room, accept, before_any_barrier=True))
 
     def finished(self, request_id: str, result: Result) -> None:
         """The request is served: its result is stored, and its RQ job marked finished, at the next flush (the job
         at hand is RQ's own to finish)."""
         self.served.add(request_id)
         self._to_store.append((request_id, result))
-        claimed = self.unfinished.pop(request_id, None)
-        if claimed is not None:
-            self._to_finish.append(claimed)
+        taken = self.unfinished.pop(request_id, None)
+        if taken is not None:
+            self._to_finish.append(taken)
 
     def flush(self) -> None:
         """Store the results served since the last flush, then mark their jobs FINISHED in RQ: the engine calls admit
@@ -205,8 +205,8 @@ class EngineRun:
         """After a failure: put back what was taken and not served."""
         self.batcher.release(self.queue_key, self.shard, list(self.unfinished.values()))
 
-    def _take(self, claimed: list[Claimed]) -> list[tuple[str, SampleRequest]]:
-        for item in claimed:
+    def _take(self, taken: list[Taken]) -> list[tuple[str, SampleRequest]]:
+        for item in taken:
             self.unfinished[item.request_id] = item
             self.requests[item.request_id] = item.request
-        return [(item.request_id, item.request) for item in claimed]
+        return [(item.request_id, item.request) for item in taken]
