@@ -154,7 +154,7 @@ class WorkerProcess:
             try:
                 if self.draining.is_set():
                     self._make_durable()
-                self._finish_checkpoint()
+                self._await_checkpoint()
             finally:
                 self._keeper_stop.set()
                 keeper.join(timeout=5)
@@ -167,7 +167,7 @@ class WorkerProcess:
             except REDIS_DOWN as exc:  # the leases lapse on their own after their TTL
                 log.warning("worker %s could not release its leases (%s)", self.name, exc)
 
-    def _finish_checkpoint(self) -> None:
+    def _await_checkpoint(self) -> None:
         """A checkpoint still being written is recorded before the leases go (its trim is fenced), for at most the
         stop's grace: one cut off leaves the journal whole, as a kill would."""
         checkpointer = self.dispatcher.checkpointer
@@ -248,7 +248,7 @@ class WorkerProcess:
 
     def _recover(self, shard: int) -> None:
         try:
-            recover(self.connection, self._queue(shard), self.fence, self.dispatcher.finish)
+            recover(self.connection, self._queue(shard), self.fence, self.dispatcher.store_result)
         except FencedOut:  # paused past the lease while recovering: the shard and its recovery are someone else's
             log.warning("worker %s lost shard %d while recovering it", self.name, shard)
             self.fence.forget([shard])

@@ -37,7 +37,7 @@ from worker.shards.outage import REDIS_DOWN
 
 log = logging.getLogger(__name__)
 
-# Stores a request's one result on a shard (the dispatcher's `finish`: fenced, first writer wins).
+# Stores a request's one result on a shard (the dispatcher's `store_result`: fenced, first writer wins).
 Answer = Callable[[int, str, ErrorResponse], object]
 
 

@@ -116,7 +116,7 @@ class Batcher:
                 loaded.append(Taken(rid, verdict.request, job, started))
         return loaded
 
-    def finish(self, shard: int, taken: list[Taken], worker_name: str | None) -> None:
+    def mark_finished(self, shard: int, taken: list[Taken], worker_name: str | None) -> None:
         """Mark served jobs FINISHED in RQ (for the dashboard) and drop them from the in-flight list. What RQ's own
         success path writes, less its rewrite of every field of the job's hash (unchanged since it was taken but for
         these): the status and times, the result, the finished registry, and the hash's expiry."""
@@ -164,7 +164,7 @@ class EngineRun:
         self.unfinished: dict[str, Taken] = {}
         self.served: set[str] = set()
         self._to_store: list[tuple[str, Result]] = []  # served, the result not yet stored
-        self._to_finish: list[Taken] = []  # served, not yet marked FINISHED in RQ
+        self._to_mark: list[Taken] = []  # served, not yet marked FINISHED in RQ
 
     def start(self, request_id: str, request: SampleRequest) -> list[tuple[str, SampleRequest]]:
         self.requests[request_id] = request
@@ -181,25 +181,25 @@ class EngineRun:
             return []
         return self._take(self.batcher.take(self.queue_key, self.shard, room, accept, before_any_barrier=True))
 
-    def finished(self, request_id: str, result: Result) -> None:
+    def record_served(self, request_id: str, result: Result) -> None:
         """The request is served: its result is stored, and its RQ job marked finished, at the next flush (the job
         at hand is RQ's own to finish)."""
         self.served.add(request_id)
         self._to_store.append((request_id, result))
         taken = self.unfinished.pop(request_id, None)
         if taken is not None:
-            self._to_finish.append(taken)
+            self._to_mark.append(taken)
 
     def flush(self) -> None:
         """Store the results served since the last flush, then mark their jobs FINISHED in RQ: the engine calls admit
         once per step, so the samples one step finished cost two round trips here, not two each (256 samples of one
         length all end in the same step). A crash before the flush leaves them in flight; recovery requeues them,
         and those whose result was stored find it there."""
-        to_store, to_finish = self._to_store, self._to_finish
-        self._to_store, self._to_finish = [], []
+        to_store, to_mark = self._to_store, self._to_mark
+        self._to_store, self._to_mark = [], []
         if to_store:
             self.store(to_store)
-        self.batcher.finish(self.shard, to_finish, self.worker_name)
+        self.batcher.mark_finished(self.shard, to_mark, self.worker_name)
 
     def release(self) -> None:
         """After a failure: put back what was taken and not served."""
