@@ -85,7 +85,7 @@ def test_samples_between_barriers_reach_the_engine_as_one_batch(r, producer, con
         assert job.get_status() == JobStatus.FINISHED and job.started_at <= job.ended_at
         # and expire as RQ's own finished jobs do, not live on in Redis
         assert 0 < r.ttl(job.key) <= config.rq_result_ttl_s
-    assert r.llen(keys.inflight_key(keys.shard_of(M, 4))) == 0
+    assert r.llen(keys.batched_key(keys.shard_of(M, 4))) == 0
 
 
 def drain_while(r, config, tmp_path, submit_meanwhile, **runtime) -> None:
@@ -150,12 +150,12 @@ def test_an_engine_crash_after_admitting_samples_puts_them_back_and_each_gets_on
     boom, fine = (result(producer, ticket) for ticket in late)
     assert (boom.code, boom.status) == ("internal_error", 500)  # retried alone after the release, and failed
     assert isinstance(fine, SampleOutput)
-    assert r.llen(keys.inflight_key(keys.shard_of(M, config.num_shards))) == 0
+    assert r.llen(keys.batched_key(keys.shard_of(M, config.num_shards))) == 0
     assert r.llen(Queue(keys.queue_name(stall.shard), connection=r).key) == 0
 
 
-def test_samples_served_before_an_engine_crash_are_finished_in_rq_and_leave_the_in_flight_list(r, producer, config,
-                                                                                             tmp_path):
+def test_samples_served_before_an_engine_crash_are_finished_in_rq_and_leave_the_batched_list(r, producer, config,
+                                                                                           tmp_path):
     import faulty_runtime
 
     create(producer)
@@ -166,7 +166,7 @@ def test_samples_served_before_an_engine_crash_are_finished_in_rq_and_leave_the_
     assert result(producer, crashing).status == 500
     for ticket in served:
         assert Job.fetch(ticket.request_id, connection=r, serializer="json").get_status() == JobStatus.FINISHED
-    assert r.llen(keys.inflight_key(keys.shard_of(M, config.num_shards))) == 0
+    assert r.llen(keys.batched_key(keys.shard_of(M, config.num_shards))) == 0
 
 
 def test_a_crash_mid_batch_puts_the_taken_samples_back_at_the_front_in_order(r, producer, config, tmp_path):

@@ -6,7 +6,7 @@ every queued sample whose model has no non-sample job (sync, training op) ahead 
 engine runs, samples that arrive join it (continuous batching) as long as no non-sample job of any
 model is queued ahead of them and the worker's other shard queues are empty, so a sync, a training op or
 another shard's job waits at most for the running batch to drain.
-The taken jobs move atomically from the queue to the shard's in-flight list (so a crash loses none:
+The taken jobs move atomically from the queue to the shard's batched list (so a crash loses none:
 recovery puts them back at the front); each result is stored as it is ready, and the jobs served in one
 engine step are marked finished in RQ together, at the next step; on an exception the unfinished ones go
 back to the head of the queue and are retried one by one.
@@ -29,7 +29,7 @@ from schemas import Result, SampleRequest
 from tinkerq import keys, queues
 from tinkerq.jobs import JobSerializer
 from worker.consumer.admission import Admission, Admitted, job_id
-from worker.consumer.inflight import InFlightList
+from worker.consumer.batched import BatchedList
 from worker.consumer.rq_worker import AllowlistJob
 from worker.shards.fencing import Fence
 
@@ -50,12 +50,12 @@ class Batcher:
         self.fence = fence
         self.rq_result_ttl_s = rq_result_ttl_s
         self.admission = admission
-        self._inflight: dict[int, InFlightList] = {}
+        self._batched: dict[int, BatchedList] = {}
 
-    def inflight(self, shard: int) -> InFlightList:
-        if shard not in self._inflight:
-            self._inflight[shard] = InFlightList(shard, self.connection, self.fence)
-        return self._inflight[shard]
+    def batched(self, shard: int) -> BatchedList:
+        if shard not in self._batched:
+            self._batched[shard] = BatchedList(shard, self.connection, self.fence)
+        return self._batched[shard]
 
     def take(self, queue_key: str, shard: int, limit: int, accept: Callable[[SampleRequest], bool] | None = None,
              before_any_barrier: bool = False) -> list[Taken]:
@@ -65,7 +65,7 @@ class Batcher:
             return []
         candidates = self._servable_ids(queue_key, limit, before_any_barrier)
         loaded = {c.request_id: c for c in self._load(shard, candidates) if accept is None or accept(c.request)}
-        return [loaded[rid] for rid in self.inflight(shard).take_from(queue_key, list(loaded))]
+        return [loaded[rid] for rid in self.batched(shard).take_from(queue_key, list(loaded))]
 
     def _servable_ids(self, queue_key: str, limit: int, before_any_barrier: bool) -> list[str]:
         # an entry that is no request id is left for the pop to drop
@@ -117,7 +117,7 @@ class Batcher:
         return loaded
 
     def mark_finished(self, shard: int, taken: list[Taken], worker_name: str | None) -> None:
-        """Mark served jobs FINISHED in RQ (for the dashboard) and drop them from the in-flight list. What RQ's own
+        """Mark served jobs FINISHED in RQ (for the dashboard) and drop them from the batched list. What RQ's own
         success path writes, less its rewrite of every field of the job's hash (unchanged since it was taken but for
         these): the status and times, the result, the finished registry, and the hash's expiry."""
         if not taken:
@@ -133,7 +133,7 @@ class Batcher:
                 RQResult.create(job, RQResult.Type.SUCCESSFUL, ttl=ttl, pipeline=pipe, worker_name=worker_name or "",
                                 return_value={"request_id": item.request_id, "type": "sample", "batched": True})
                 FinishedJobRegistry(job.origin, connection=self.connection).add(job, ttl, pipe)
-                self.inflight(shard).remove(item.request_id, pipe)
+                self.batched(shard).remove(item.request_id, pipe)
             pipe.execute()
 
     def release(self, queue_key: str, shard: int, taken: list[Taken]) -> None:
@@ -142,7 +142,7 @@ class Batcher:
         if not taken:
             return
         with self.fence.pipeline(shard) as pipe:
-            self.inflight(shard).put_back(queue_key, [item.request_id for item in taken], pipe)
+            self.batched(shard).put_back(queue_key, [item.request_id for item in taken], pipe)
             pipe.execute()
 
 

@@ -1,4 +1,4 @@
-"""A shard's in-flight list: the sample jobs a worker took out of the queue to serve in one engine run.
+"""A shard's batched list: the sample jobs a worker took out of the queue to serve in one engine run.
 
 RQ's intermediate list holds the one job RQ popped; this list holds the samples batched with it. A job moves
 from the queue to here atomically, leaves when it is finished or put back, and recovery requeues what a dead
@@ -10,7 +10,7 @@ from redis.client import Pipeline
 from tinkerq import keys
 from worker.shards.fencing import Fence
 
-# KEYS: (lease), queue, in-flight list. ARGV: (token), job ids. Moves each id still queued; returns the ids moved.
+# KEYS: (lease), queue, batched list. ARGV: (token), job ids. Moves each id still queued; returns the ids moved.
 _TAKE = """
 local moved = {}
 for i = 2, #ARGV do
@@ -23,10 +23,10 @@ return moved
 """
 
 
-class InFlightList:
+class BatchedList:
     def __init__(self, shard: int, connection: Redis, fence: Fence | None = None) -> None:
         self.shard = shard
-        self.key = keys.inflight_key(shard)
+        self.key = keys.batched_key(shard)
         self.connection = connection
         self._take = fence.script(_TAKE) if fence is not None else None
 
@@ -36,7 +36,7 @@ class InFlightList:
         if not job_ids:
             return []
         if self._take is None:
-            raise RuntimeError("an in-flight list built without a fence only reads and removes")
+            raise RuntimeError("a batched list built without a fence only reads and removes")
         return [rid.decode() for rid in self._take(self.shard, [queue_key, self.key], job_ids,
                                                    f"taking {len(job_ids)} samples", retry=False)]
 
