@@ -13,7 +13,7 @@ from redis.exceptions import NoScriptError, WatchError
 from rq import Queue
 
 from producer.errors import Rejected
-from producer.waiter import ResultWaiter, get_result
+from producer.result_waiter import ResultWaiter, get_result
 from schemas import (
     ID_PATTERN,
     ForwardRequest,
