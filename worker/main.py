@@ -44,6 +44,14 @@ def connect(url: str, config: QueueConfig, name: str) -> Redis:
 
 
 class WorkerProcess:
+    """One worker process: it loads the runtime once and outlives many RQ worker loops. It owns the shard leases
+    (its `fence`, renewed by the lease keeper thread), the claimer, the dispatcher (and through it the runtime and
+    the models it holds) and the current `ShardWorker`, a new incarnation each time the leases change or Redis
+    comes back. Invariants: it consumes a shard only under that shard's lease, and only after recovering what the
+    shard's last owner left in flight; a Redis outage is waited out (up to `redis_outage_s`), never a crash; a stop
+    ends the job in hand, records a checkpoint being written and releases the leases within `stop_grace_s` (the
+    watchdog ends the process otherwise)."""
+
     def __init__(
         self,
         connection: Redis,

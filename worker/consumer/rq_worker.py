@@ -230,6 +230,13 @@ def _checked(popped):  # noqa: ANN001, ANN202 - (queue key, raw id) or None, as 
 
 
 class ShardWorker(SimpleWorker):
+    """One incarnation of RQ's loop over the shard queues whose leases the worker process holds now; it returns
+    when the leases change, on a stop, or on a Redis outage (`outage`). It owns the loop and the job in hand
+    (`running`), not the leases (the claimer's fence) nor the models (the dispatcher, its `context`). Invariants: a
+    job is taken only by the claim, under its shard's lease, and stays in the claimed list until it ended; every
+    job is admitted before RQ acts on it; on a fenced connection RQ's writes for a job need its shard's lease; a job
+    interrupted by an outage or a lost lease is never marked FAILED (recovery requeues it)."""
+
     job_class = AllowlistJob
     queue_class = ShardQueue
 

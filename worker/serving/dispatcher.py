@@ -63,6 +63,13 @@ def summary(request_id: str, result: Result) -> dict[str, Any]:
 
 
 class Dispatcher:
+    """Turns an admitted job into exactly one stored result. It owns the admission rules, the batcher (the samples
+    taken with a job), the sequencer (a model's training ops run in seq_id order, an early one parked), durability
+    (journal, restorer, checkpointer) and the stability records; it serves against the worker process's runtime.
+    Invariants: every write is fenced by the shard's lease and the first result stored wins (`store_result`), so a
+    request gets one result however often it runs; a state-changing op's result is stored together with its journal
+    entry when durable; a job whose result is already stored is skipped."""
+
     def __init__(self, connection: Redis, runtime: Runtime, fence: Fence, config: QueueConfig,
                  limits: Limits | None = None) -> None:
         self.connection = connection
