@@ -91,7 +91,7 @@ from worker.consumer.rq_worker import AllowlistJob  # noqa: E402
 from worker.durability.journal import Journal  # noqa: E402
 from worker.main import WorkerProcess, connect  # noqa: E402
 from worker.runtime.process_activity import Activity  # noqa: E402
-from worker.runtime.runtime import Runtime  # noqa: E402
+from worker.runtime.versioned import Runtime  # noqa: E402
 from worker.torch_runtime.assembly import make_engine, make_trainer  # noqa: E402
 from worker.torch_runtime.base_models import BaseModels  # noqa: E402
 from worker.torch_runtime.trainer import TorchTrainer  # noqa: E402

@@ -2,6 +2,6 @@
 
 from producer.enqueue import Producer, Ticket
 from producer.errors import Rejected
-from producer.waiter import ResultWaiter
+from producer.result_waiter import ResultWaiter
 
 __all__ = ["Producer", "Rejected", "ResultWaiter", "Ticket"]

@@ -1,7 +1,7 @@
 """Per-token arrays in requests and results: numpy in memory, packed bytes on the wire.
 
-A 16k-token forward_backward carries ~50k numbers in and ~33k out. As JSON number lists they cost the trip ~25 ms
-of encoding and parsing on each side (bench/queue_fb.py); the SDK already sends them as raw arrays in protobuf. So
+A 16k-token forward_backward carries tens of thousands of numbers each way. As JSON number lists their encoding and
+parsing dominate the trip on each side (bench/queue_fb.py); the SDK already sends them as raw arrays in protobuf. So
 an array field holds a read-only numpy array, and its JSON form is the array's little-endian bytes in base64:
 
     {"dtype": "float32", "base64": "AACAPwAAAEA="}
@@ -56,7 +56,7 @@ def unpack(form: dict) -> np.ndarray:
     if dtype is None:
         raise ValueError(f"a packed array's dtype is one of {', '.join(DTYPES)}, not {form['dtype']!r}")
     try:
-        raw = pybase64.b64decode(form["base64"], validate=True)  # SIMD: ~40x the standard library's
+        raw = pybase64.b64decode(form["base64"], validate=True)  # SIMD: many times the standard library's speed
     except (binascii.Error, ValueError) as exc:
         raise ValueError(f"a packed array's base64 does not decode: {exc}") from None
     if len(raw) % dtype.itemsize:

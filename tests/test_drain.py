@@ -91,7 +91,7 @@ def test_drain_checkpoints_releases_and_the_standby_carries_on(r, redis_url, con
     assert f"model {model}: loading its checkpoint" in standby.output()
     assert "replaying journal entries 0.." not in standby.output()  # it did not start over from create_model
     for shard in range(config.num_shards):  # every request ended once: nothing queued or in flight
-        assert r.llen(keys.queue_key(shard)) == 0 and r.llen(keys.inflight_key(shard)) == 0
+        assert r.llen(keys.queue_key(shard)) == 0 and r.llen(keys.batched_key(shard)) == 0
 
 
 def test_drain_refuses_a_worker_that_does_not_exist(redis_url, r, config):

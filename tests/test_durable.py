@@ -387,7 +387,7 @@ def sigkilled_run(r, config, start_worker, steps: int, **env: str) -> None:
     rebuilt = ("survivor:train:0: replaying journal entries", "survivor:train:0: loading its checkpoint")
     assert any(line in standby.output() for line in rebuilt)  # it was rebuilt there
     for shard in range(config.num_shards):  # nothing left queued or in flight: every request ended once
-        assert r.llen(keys.queue_key(shard)) == 0 and r.llen(keys.inflight_key(shard)) == 0
+        assert r.llen(keys.queue_key(shard)) == 0 and r.llen(keys.batched_key(shard)) == 0
 
 
 def assert_as_uninterrupted(producer: Producer, steps: int) -> None:

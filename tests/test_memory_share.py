@@ -12,7 +12,7 @@ from schemas import AdamParams, CreateModelRequest, Datum, ForwardBackwardReques
 from tinkerq.config import RuntimeConfig
 from worker.runtime import DomainError
 from worker.runtime.reference import ReferenceEngine, ReferenceTrainer
-from worker.runtime.runtime import Runtime
+from worker.runtime.versioned import Runtime
 from worker.torch_runtime.base_models import BaseModels
 from worker.torch_runtime.packed_forward import TrainOptions
 from worker.torch_runtime.trainer import TorchTrainer

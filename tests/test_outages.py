@@ -1,6 +1,6 @@
 """Redis going away under a live `tinkerq worker`: SIGKILLed and restarted (AOF with either fsync policy), frozen,
 its connections reset. Once it is back, every acknowledged request is answered exactly once, by the same worker
-process, which reconnected by itself; no job is lost between its pop and its in-flight record.
+process, which reconnected by itself; no job is lost between its pop and the claimed list.
 
 "Acknowledged" is what README.md says: under appendfsync always, every submit that returned; under everysec, a
 submit Redis lost with its last second of writes is lost whole (no record, job or queue entry is left), which the

@@ -116,7 +116,7 @@ def test_queue_entries_that_name_no_request_and_forged_origins_never_crash_the_w
     assert codes(producer, list(origins)) == dict.fromkeys(origins, "invalid_job")
     assert "origin" in producer.get("origin-foreign").error
     queue_key = f"rq:queue:{keys.queue_name(shard)}"
-    # a claimed job leaves its in-flight list just after its result is stored: wait for that, boundedly
+    # a claimed job leaves the intermediate list just after its result is stored: wait for that, boundedly
     deadline = time.monotonic() + WAIT_S
     while (r.llen(queue_key) or r.llen(f"{queue_key}:intermediate")) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -309,7 +309,7 @@ def test_a_job_of_a_shard_the_worker_does_not_own_gets_an_explicit_result(r, con
 
 def leave_in_flight(r, shard: int, config, in_hand: str, batched: list[str]) -> None:
     """What an owner of `shard` that died mid-batch leaves: its lease (lapsing after the TTL), the job in hand in the
-    queue's intermediate list and RQ's started registry, the samples batched with it in the shard's in-flight list."""
+    queue's intermediate list and RQ's started registry, the samples batched with it in the shard's batched list."""
     queue_key = keys.queue_key(shard)
     r.set(keys.lease_key(shard), "dead-owner:1", px=config.lease_ttl_ms)
     r.lrem(queue_key, 1, in_hand)
@@ -318,7 +318,7 @@ def leave_in_flight(r, shard: int, config, in_hand: str, batched: list[str]) -> 
     r.hset(f"rq:job:{in_hand}", "status", "started")
     for rid in batched:
         r.lrem(queue_key, 1, rid)
-        r.rpush(keys.inflight_key(shard), rid)
+        r.rpush(keys.batched_key(shard), rid)
 
 
 @pytest.mark.slow
@@ -332,19 +332,19 @@ def test_forged_in_flight_records_never_crash_the_worker_that_takes_the_shard_ov
     batched = [producer.submit(SampleRequest(model_id=M, prompt_tokens=[i])) for i in (1, 2)]
     queued = producer.submit(SampleRequest(model_id=M, prompt_tokens=[3]))  # still queued behind them
     leave_in_flight(r, shard, config, create.request_id, [t.request_id for t in batched])
-    intermediate, inflight = f"{keys.queue_key(shard)}:intermediate", keys.inflight_key(shard)
+    intermediate, batched_list = f"{keys.queue_key(shard)}:intermediate", keys.batched_key(shard)
     for raw in (b"\xff\xfe-not-utf8", b"not an id", b""):
         r.rpush(intermediate, raw)
-        r.rpush(inflight, raw)
+        r.rpush(batched_list, raw)
     for raw in (b"\xff:1", b"a:b:c", b"no-execution-id"):
         r.zadd(f"rq:wip:{keys.queue_name(shard)}", {raw: time.time() - 120})
     forge(r, "record-not-a-hash", shard, onto=intermediate)
     r.set(keys.request_key("record-not-a-hash"), "not a hash")
     forge(r, "created-not-a-time", shard, onto=intermediate)
     r.hset(keys.request_key("created-not-a-time"), mapping={"kind": "sample", "created": "abc"})
-    forge(r, "created-infinite", shard, onto=inflight)
+    forge(r, "created-infinite", shard, onto=batched_list)
     r.hset(keys.request_key("created-infinite"), mapping={"kind": "sample", "created": "inf"})
-    r.rpush(inflight, "no-job-hash")  # an id whose job is gone: answered as a queued one would be
+    r.rpush(batched_list, "no-job-hash")  # an id whose job is gone: answered as a queued one would be
     worker = start_worker("--shards", str(shard))
     genuine = [create, *batched, queued]
     outs = {t.request_id: producer.wait(t.request_id, WAIT_S + config.lease_ttl_ms / 1000) for t in genuine}
@@ -359,9 +359,9 @@ def test_forged_in_flight_records_never_crash_the_worker_that_takes_the_shard_ov
     settle(r, [t.request_id for t in genuine])
     assert all(r.hget(f"rq:job:{t.request_id}", "status") == b"finished" for t in genuine)
     deadline = time.monotonic() + WAIT_S  # a claim ends just after its result is stored
-    while (r.llen(intermediate) or r.llen(inflight)) and time.monotonic() < deadline:
+    while (r.llen(intermediate) or r.llen(batched_list)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert r.lrange(intermediate, 0, -1) == [] and r.lrange(inflight, 0, -1) == []
+    assert r.lrange(intermediate, 0, -1) == [] and r.lrange(batched_list, 0, -1) == []
     assert r.zrange(f"rq:wip:{keys.queue_name(shard)}", 0, -1) == []
 
 

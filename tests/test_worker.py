@@ -85,7 +85,7 @@ def test_samples_between_barriers_reach_the_engine_as_one_batch(r, producer, con
         assert job.get_status() == JobStatus.FINISHED and job.started_at <= job.ended_at
         # and expire as RQ's own finished jobs do, not live on in Redis
         assert 0 < r.ttl(job.key) <= config.rq_result_ttl_s
-    assert r.llen(keys.inflight_key(keys.shard_of(M, 4))) == 0
+    assert r.llen(keys.batched_key(keys.shard_of(M, 4))) == 0
 
 
 def drain_while(r, config, tmp_path, submit_meanwhile, **runtime) -> None:
@@ -150,26 +150,26 @@ def test_an_engine_crash_after_admitting_samples_puts_them_back_and_each_gets_on
     boom, fine = (result(producer, ticket) for ticket in late)
     assert (boom.code, boom.status) == ("internal_error", 500)  # retried alone after the release, and failed
     assert isinstance(fine, SampleOutput)
-    assert r.llen(keys.inflight_key(keys.shard_of(M, config.num_shards))) == 0
+    assert r.llen(keys.batched_key(keys.shard_of(M, config.num_shards))) == 0
     assert r.llen(Queue(keys.queue_name(stall.shard), connection=r).key) == 0
 
 
-def test_samples_served_before_an_engine_crash_are_finished_in_rq_and_leave_the_in_flight_list(r, producer, config,
-                                                                                             tmp_path):
+def test_samples_served_before_an_engine_crash_are_finished_in_rq_and_leave_the_batched_list(r, producer, config,
+                                                                                           tmp_path):
     import faulty_runtime
 
     create(producer)
     crashing = sample(producer, prompt=[faulty_runtime.HALF])
-    served = [sample(producer) for _ in range(2)]  # claimed with it, and served before the engine raises
+    served = [sample(producer) for _ in range(2)]  # taken with it, and served before the engine raises
     drain(r, config, tmp_path, runtime="faulty_runtime:make")
     assert all(isinstance(result(producer, ticket), SampleOutput) for ticket in served)
     assert result(producer, crashing).status == 500
     for ticket in served:
         assert Job.fetch(ticket.request_id, connection=r, serializer="json").get_status() == JobStatus.FINISHED
-    assert r.llen(keys.inflight_key(keys.shard_of(M, config.num_shards))) == 0
+    assert r.llen(keys.batched_key(keys.shard_of(M, config.num_shards))) == 0
 
 
-def test_a_crash_mid_batch_puts_the_claimed_samples_back_at_the_front_in_order(r, producer, config, tmp_path):
+def test_a_crash_mid_batch_puts_the_taken_samples_back_at_the_front_in_order(r, producer, config, tmp_path):
     from schemas import Limits
     from worker.consumer.admission import Admission
     from worker.consumer.recovery import recover
@@ -180,11 +180,11 @@ def test_a_crash_mid_batch_puts_the_claimed_samples_back_at_the_front_in_order(r
     worker = drain(r, config, tmp_path)
     tickets = [sample(producer) for _ in range(4)]
     queue = Queue(keys.queue_name(tickets[0].shard), connection=r, serializer="json")
-    first = r.lpop(queue.key).decode()  # popped by a worker that then claims the rest and dies
+    first = r.lpop(queue.key).decode()  # popped by a worker that then takes the rest and dies
     dead, successor = Fence(r, "dead", 60000), Fence(r, "successor", 60000)
     dead.acquire([tickets[0].shard])
-    claimed = Batcher(r, dead, 60, Admission(config, Limits())).claim(queue.key, tickets[0].shard, 10)
-    assert [c.request_id for c in claimed] == [t.request_id for t in tickets[1:]]
+    taken = Batcher(r, dead, 60, Admission(config, Limits())).take(queue.key, tickets[0].shard, 10)
+    assert [c.request_id for c in taken] == [t.request_id for t in tickets[1:]]
     assert queue.get_job_ids() == []
     r.rpush(f"{queue.key}:intermediate", first)
     r.delete(keys.lease_key(tickets[0].shard))  # its lease lapses; the successor takes the shard

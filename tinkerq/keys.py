@@ -1,6 +1,6 @@
 """Redis key layout and routing: every key tinkerq writes is named here. Every key of a model carries the model
 id in braces. The structures behind them are owned by small classes that name their operations (the API's
-records: producer/api/state.py; the in-flight list: worker/consumer/inflight.py; held training ops: worker/serving/held.py)."""
+records: producer/api/state.py; the batched list: worker/consumer/batched.py; held training ops: worker/serving/held.py)."""
 
 from hashlib import blake2b
 from typing import TYPE_CHECKING
@@ -161,8 +161,9 @@ def held_deadlines_key(shard: int) -> str:
     return f"{PREFIX}:shard:{shard}:held"
 
 
-def inflight_key(shard: int) -> str:
-    """Sample jobs a worker took out of the queue to serve in one batch (recovery requeues them)."""
+def batched_key(shard: int) -> str:
+    """Sample jobs a worker took out of the queue to serve in one batch (recovery requeues them). The key keeps
+    its `inflight` suffix so that lists a running deployment holds are still found."""
     return f"{PREFIX}:shard:{shard}:inflight"
 
 

@@ -46,8 +46,8 @@ class Shape:
     # (14B: 30 GB instead of 59 + 30 for the copy); the earlier shapes keep float32, so their files stay as they were.
     init_dtype: str = "float32"
     # Each tensor drawn from its own generator, seeded by the model's seed and the tensor's name, on every core at
-    # once, and drawn once (HF's init draws every Linear twice, one tensor after another): randq-14b builds in 85 s on
-    # a 16-core host, where HF's init took 524 s. The earlier shapes keep HF's init, so their files stay as they were.
+    # once, and drawn once (HF's init draws every Linear twice, one tensor after another): a large shape builds several
+    # times faster than with HF's init. The earlier shapes keep HF's init, so their files stay as they were.
     per_tensor_init: bool = False
     # Sliding-window attention on every layer from `window_from` on (Qwen2's max_window_layers), as Mistral
     # and Gemma-2-style models have: their KV cache keeps only the window.
@@ -75,12 +75,13 @@ LOCAL_MODELS: dict[str, Shape] = {
     "randq-1.5b": Shape(hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, vocab=151936,
                         context=32768, tie_embeddings=True, tokenizer_vocab=4096, wide_init=False,
                         save_dtype="bfloat16"),
-    # Qwen2.5-3B's and -7B's shapes: the ladder for "the largest base that trains and samples on one GPU" (issue 14).
+    # Qwen2.5-3B's and -7B's shapes: the ladder for "the largest base that trains and samples on one GPU".
     "randq-3b": Shape(hidden=2048, layers=36, heads=16, kv_heads=2, intermediate=11008, vocab=151936,
                       context=32768, tie_embeddings=True, tokenizer_vocab=4096, wide_init=False, save_dtype="bfloat16"),
     "randq-7b": Shape(hidden=3584, layers=28, heads=28, kv_heads=4, intermediate=18944, vocab=152064,
                       context=32768, tokenizer_vocab=4096, wide_init=False, save_dtype="bfloat16"),
-    # Qwen2.5-14B's: 29.5 GB of bf16 weights. Held once (TINKERQ_VLLM_SHARE_BASE), it trains and samples on an H100.
+    # Qwen2.5-14B's: 29.5 GB of bf16 weights. Held once (TINKERQ_VLLM_SHARE_BASE), it trains and samples on one
+    # 80 GB GPU.
     "randq-14b": Shape(hidden=5120, layers=48, heads=40, kv_heads=8, intermediate=13824, vocab=152064,
                        context=32768, tokenizer_vocab=4096, wide_init=False, save_dtype="bfloat16",
                        init_dtype="bfloat16", per_tensor_init=True),

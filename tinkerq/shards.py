@@ -47,7 +47,7 @@ def shard_rows(connection: Redis, num_shards: int) -> list[ShardRow]:
             pipe.get(keys.epoch_key(shard))
             pipe.llen(queue_key)
             pipe.llen(IntermediateQueue.get_intermediate_queue_key(queue_key))
-            pipe.llen(keys.inflight_key(shard))
+            pipe.llen(keys.batched_key(shard))
             pipe.zcard(keys.held_deadlines_key(shard))
         replies = pipe.execute()
     rows = []

@@ -44,6 +44,14 @@ def connect(url: str, config: QueueConfig, name: str) -> Redis:
 
 
 class WorkerProcess:
+    """One worker process: it loads the runtime once and outlives many RQ worker loops. It owns the shard leases
+    (its `fence`, renewed by the lease keeper thread), the claimer, the dispatcher (and through it the runtime and
+    the models it holds) and the current `ShardWorker`, a new incarnation each time the leases change or Redis
+    comes back. Invariants: it consumes a shard only under that shard's lease, and only after recovering what the
+    shard's last owner left in flight; a Redis outage is waited out (up to `redis_outage_s`), never a crash; a stop
+    ends the job in hand, records a checkpoint being written and releases the leases within `stop_grace_s` (the
+    watchdog ends the process otherwise)."""
+
     def __init__(
         self,
         connection: Redis,
@@ -154,7 +162,7 @@ class WorkerProcess:
             try:
                 if self.draining.is_set():
                     self._make_durable()
-                self._finish_checkpoint()
+                self._await_checkpoint()
             finally:
                 self._keeper_stop.set()
                 keeper.join(timeout=5)
@@ -167,7 +175,7 @@ class WorkerProcess:
             except REDIS_DOWN as exc:  # the leases lapse on their own after their TTL
                 log.warning("worker %s could not release its leases (%s)", self.name, exc)
 
-    def _finish_checkpoint(self) -> None:
+    def _await_checkpoint(self) -> None:
         """A checkpoint still being written is recorded before the leases go (its trim is fenced), for at most the
         stop's grace: one cut off leaves the journal whole, as a kill would."""
         checkpointer = self.dispatcher.checkpointer
@@ -248,7 +256,7 @@ class WorkerProcess:
 
     def _recover(self, shard: int) -> None:
         try:
-            recover(self.connection, self._queue(shard), self.fence, self.dispatcher.finish)
+            recover(self.connection, self._queue(shard), self.fence, self.dispatcher.store_result)
         except FencedOut:  # paused past the lease while recovering: the shard and its recovery are someone else's
             log.warning("worker %s lost shard %d while recovering it", self.name, shard)
             self.fence.forget([shard])

@@ -6,7 +6,7 @@ import logging
 
 from redis.asyncio import Redis
 
-from producer.waiting import Backoff, Waiters
+from producer.wakeups import Backoff, Waiters
 from tinkerq import keys
 
 log = logging.getLogger(__name__)

@@ -63,7 +63,7 @@ class _Span:
     kind: str  # "prompt_tokens" | "sampled_tokens"
     sequence_id: str
     sequence: RecordedSequence
-    tokens: list[int]  # what the span claims: its run of the request's prompt or of the sampled tokens
+    tokens: list[int]  # what the span says it covers: its run of the request's prompt or of the sampled tokens
     offset: int  # where that run starts in the prompt or the sampled tokens
     position: int  # where it starts in the field the spans tile
 

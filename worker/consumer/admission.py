@@ -65,12 +65,12 @@ class Admission:
         act on to the worker's own choices: the job's origin becomes that queue (RQ names its registries after
         the origin), and its timeout and record TTLs the worker's."""
         shard = keys.shard_of_queue(queue_name)
-        claimed_origin = job.origin
+        stated_origin = job.origin
         job.origin = queue_name
         job.timeout = min(job.timeout, self.config.job_timeout_s) if job.timeout and job.timeout > 0 \
             else self.config.job_timeout_s
         job.result_ttl, job.failure_ttl = self.config.rq_result_ttl_s, self.config.rq_failure_ttl_s
-        problem = self._envelope(job, claimed_origin, queue_name)
+        problem = self._envelope(job, stated_origin, queue_name)
         if problem is not None:
             return Refused(job.id, shard, ErrorResponse(error=problem, status=400, code="invalid_job"), forged=True)
         return self.judge_payload(job.id, shard, job.args[0])

@@ -1,4 +1,4 @@
-"""The pop: a job leaves its shard queue only into that queue's intermediate list (the worker's in-flight record),
+"""The pop: a job leaves its shard queue only into that queue's intermediate list (the claimed list),
 in one Lua step that also checks the shard's lease, so a job is always in some Redis structure (a crash of Redis
 or of the worker at any point leaves it where recovery finds it) and none is taken under a lapsed lease.
 

@@ -2,7 +2,7 @@
 
 Runs when a worker takes a shard, and when it resumes after a Redis outage, before it consumes anything. Jobs
 claimed but never finished sit in the queue's intermediate list (where the claim moved them), RQ's started
-registry, or the shard's in-flight list (batched samples); those without a stored result go back to the head of
+registry, or the shard's batched list (samples taken with a job); those without a stored result go back to the head of
 the queue (RQ's own cleanup would fail them or append them at the tail, out of order). Running it twice puts
 nothing in twice: an id already queued is moved, not copied.
 
@@ -31,13 +31,13 @@ from schemas import ErrorResponse
 from tinkerq import keys
 from tinkerq.keys import shard_of_queue
 from worker.consumer import admission
-from worker.consumer.inflight import InFlightList
+from worker.consumer.batched import BatchedList
 from worker.shards.fencing import Fence
 from worker.shards.outage import REDIS_DOWN
 
 log = logging.getLogger(__name__)
 
-# Stores a request's one result on a shard (the dispatcher's `finish`: fenced, first writer wins).
+# Stores a request's one result on a shard (the dispatcher's `store_result`: fenced, first writer wins).
 Answer = Callable[[int, str, ErrorResponse], object]
 
 
@@ -46,7 +46,7 @@ def recover(connection: Redis, queue: Queue, fence: Fence, answer: Answer) -> li
     by the shard's lease (FencedOut once it is not ours): a recovery paused and resumed after a successor took the
     shard moves nothing of its. `answer` stores the error result of a request whose record cannot be read."""
     shard = shard_of_queue(queue.name)
-    records = _InFlight(connection, queue, fence)
+    records = _Leftovers(connection, queue, fence)
     records.drop_bad_entries()
     created, unreadable = _created(connection, records.ids())
     for rid, why in unreadable.items():
@@ -63,18 +63,18 @@ def recover(connection: Redis, queue: Queue, fence: Fence, answer: Answer) -> li
     return list(reversed(requeued))
 
 
-class _InFlight:
-    """A shard's in-flight records as recovery read them: the raw entries of the queue's intermediate list, its
-    started registry and the shard's in-flight list, each judged as untrusted input."""
+class _Leftovers:
+    """A shard's records of in-flight jobs as recovery read them: the raw entries of the queue's intermediate list,
+    its started registry and the shard's batched list, each judged as untrusted input."""
 
     def __init__(self, connection: Redis, queue: Queue, fence: Fence) -> None:
         self.connection, self.queue, self.fence = connection, queue, fence
         self.shard = shard_of_queue(queue.name)
         self.intermediate_key = IntermediateQueue.get_intermediate_queue_key(queue.key)
         self.registry = StartedJobRegistry(queue=queue)
-        self.inflight = InFlightList(self.shard, connection)
+        self.batched = BatchedList(self.shard, connection)
         self.lists = {self.intermediate_key: connection.lrange(self.intermediate_key, 0, -1),
-                      self.inflight.key: self.inflight.entries()}
+                      self.batched.key: self.batched.entries()}
         # Registry entries are read as they are, never through RQ's Execution objects: an execution hash expires
         # 60 s before the registries that list it (RQ's own margins), and loading one then raises ValueError.
         self.started: dict[str, list[str]] = {}
@@ -113,7 +113,7 @@ class _InFlight:
         job = _fetch(self.connection, self.queue, rid) if requeue else None
         with self.fence.pipeline(self.shard) as pipe:
             pipe.lrem(self.intermediate_key, 0, rid)
-            self.inflight.remove(rid, pipe, count=0)
+            self.batched.remove(rid, pipe, count=0)
             for execution_id in self.started.get(rid, ()):
                 pipe.zrem(self.registry.key, f"{rid}:{execution_id}")
                 pipe.delete(Execution(execution_id, rid, self.connection).key)

@@ -11,7 +11,7 @@
 - Every failure path ends with an ErrorResponse stored for the request.
 - The idle loop ticks every `tick_s`, which lets the worker answer held ops whose deadline passed.
 - A queued id whose job hash is gone is answered too (RQ would drop it without a trace).
-- The pop is worker/consumer/claim.py's: a job moves from its queue to the queue's intermediate list (the in-flight record)
+- The pop is worker/consumer/claim.py's: a job moves from its queue to the queue's intermediate list (the claimed list)
   in one step that checks the lease, and leaves that list only once it ended (or went back to the queue head).
 - A Redis outage anywhere in the loop ends `work()` with `outage` set, never a crash: the job in hand stays in
   flight, or goes back to its queue when the lease was lost, and is never marked FAILED for it. WorkerProcess
@@ -126,7 +126,7 @@ class AllowlistJob(QueuedJob):
     def to_dict(self, include_meta: bool = True, include_result: bool = True) -> dict:
         """RQ's fields less `data`: a worker never changes a job's data, and each job it saves (RQ's finish, fail and
         requeue) it loaded from the hash, which keeps the data as it was stored (HSET leaves fields it is not given).
-        Writing a 16k-token forward_backward's 352 KB back through the fenced batch cost ~0.5 ms a job."""
+        Writing a large payload back through the fenced batch would cost every job a copy for nothing."""
         obj = super().to_dict(include_meta=include_meta, include_result=include_result)
         del obj["data"]
         return obj
@@ -174,7 +174,7 @@ class LostJob(Exception):
 TRANSIENT: tuple[type[Exception], ...] = (FencedOut, RedisGone, *REDIS_DOWN)
 
 
-class InFlightRecord(IntermediateQueue):
+class ClaimedList(IntermediateQueue):
     """A shard queue's intermediate list: the claimed jobs (worker/consumer/claim.py), emptied by the claim (which takes its
     head first) and by recovery, which read its entries as untrusted. RQ's own cleanup of it is off: it decodes and
     loads every entry (a non-UTF-8 one, or an id whose hash is of another type, ended the worker's loop) and marks a
@@ -189,7 +189,7 @@ class ShardQueue(Queue):
 
     @property
     def intermediate_queue(self) -> IntermediateQueue:
-        return InFlightRecord(self.key, connection=self.connection)
+        return ClaimedList(self.key, connection=self.connection)
 
     # The pop: RQ's `dequeue_any` decodes the popped id as UTF-8 (and would crash the worker on other bytes);
     # an entry that is no request id is refused here, before that.
@@ -230,6 +230,13 @@ def _checked(popped):  # noqa: ANN001, ANN202 - (queue key, raw id) or None, as 
 
 
 class ShardWorker(SimpleWorker):
+    """One incarnation of RQ's loop over the shard queues whose leases the worker process holds now; it returns
+    when the leases change, on a stop, or on a Redis outage (`outage`). It owns the loop and the job in hand
+    (`running`), not the leases (the claimer's fence) nor the models (the dispatcher, its `context`). Invariants: a
+    job is taken only by the claim, under its shard's lease, and stays in the claimed list until it ended; every
+    job is admitted before RQ acts on it; on a fenced connection RQ's writes for a job need its shard's lease; a job
+    interrupted by an outage or a lost lease is never marked FAILED (recovery requeues it)."""
+
     job_class = AllowlistJob
     queue_class = ShardQueue
 
@@ -357,7 +364,7 @@ class ShardWorker(SimpleWorker):
     def run_maintenance_tasks(self) -> None:
         # RQ's cleanup of its registries loads whatever they list, and an entry anyone wrote (not UTF-8, not
         # `<id>:<execution>`, a job key of another type) raises: RQ's loop would end on it, at every start. It is RQ's
-        # bookkeeping for the dashboard, not the in-flight record (recovery reads that): a failed round is skipped.
+        # bookkeeping for the dashboard, not the claimed list (recovery reads that): a failed round is skipped.
         try:
             super().run_maintenance_tasks()
         except REDIS_DOWN:
@@ -371,7 +378,7 @@ class ShardWorker(SimpleWorker):
 
     def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
         # RQ drops the id from the intermediate list here when it serves one queue; it stays there until the job
-        # ended (execute_job), whatever the number of queues: the in-flight record does not depend on RQ's TTLs.
+        # ended (execute_job), whatever the number of queues: the claimed list does not depend on RQ's TTLs.
         super().prepare_job_execution(job, remove_from_intermediate_queue=False)
 
     def execute_job(self, job: Job, queue) -> None:

@@ -14,7 +14,7 @@ from worker.ray_runtime.engines import RayEngine
 from worker.ray_runtime.trainer_actor import CONCURRENCY_GROUPS, TrainerRank
 from worker.ray_runtime.trainers import CALL_TIMEOUT_S, RayTrainer
 from worker.ray_runtime.weight_sync import GroupSync
-from worker.runtime.runtime import Runtime
+from worker.runtime.versioned import Runtime
 
 log = logging.getLogger(__name__)
 

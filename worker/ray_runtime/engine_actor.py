@@ -138,7 +138,7 @@ class EngineReplica:
         thread.start()
         item = None
         while item is not _END:
-            # everything ready by now in one yield: each costs the caller a round trip through Ray (~1 ms)
+            # everything ready by now in one yield: each costs the caller a round trip through Ray
             ready, item = [], results.get()
             while item is not _END and not isinstance(item, BaseException):
                 ready.append(item)

@@ -33,9 +33,10 @@ log = logging.getLogger(__name__)
 # its all_gather for torch's default of 30 minutes); the caller then re-forms the group.
 GROUP_TIMEOUT_S = 120.0
 # What a trainer rank in a process of its own holds on its GPU outside torch's allocator (its CUDA context, cuBLAS
-# workspaces, the group's NCCL buffers), which the in-process trainer shares with vLLM: 1.27 GiB on an H100 (a rank at
-# an out-of-memory error, 2026-12-07: 13.97 GiB in use, 12.39 allocated, 0.31 reserved), rounded up. Without it the
-# replica beside the rank took the trainer's room and its first forward_backward ran out of memory.
+# workspaces, the group's NCCL buffers), which the in-process trainer shares with vLLM: what a rank holds there
+# (its device memory in use less what torch reserved), rounded up with room to spare. vLLM's share is sized from the
+# trainer's measured need, which leaves this out: without it the replica beside the rank takes the trainer's room and
+# the rank's first forward_backward runs out of memory.
 OWN_PROCESS_BYTES = 2 * 2**30
 # (model id, base model, LoRA config, parameter values, their gradients, optimizer state), all on the host
 ModelState = tuple[str, str, LoraConfig, list[torch.Tensor], list[torch.Tensor | None], dict[str, Any]]
@@ -211,7 +212,7 @@ class TrainerRank:
         params = self._params(model_id)
         mine = self._pending.pop(model_id, [])
         if self.world == 1 and len(mine) == 1:  # one rank ran the request whole: its gradients as they are (the
-            for p, grad in zip(params, mine[0]):  # copies and gather below took 7-11 ms a call on an H100)
+            for p, grad in zip(params, mine[0]):  # copies and gather below would be work for nothing)
                 if grad is not None:  # in process: this call's gradient, then the earlier ones added to it
                     p.grad = grad if p.grad is None else grad.add_(p.grad)
             return

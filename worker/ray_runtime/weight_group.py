@@ -134,8 +134,8 @@ class GroupMember:
 
     def _host_buffers(self) -> list[torch.Tensor]:
         """The staged buffers in host memory, copied once for the broadcast and the record alike (no copy on the
-        CPU). From a GPU through pinned memory: a pageable copy of a 33.6 MiB adapter took 20.9 ms on an H100
-        (bench/RESULTS.md, ipc_check)."""
+        CPU). From a GPU through pinned memory: a copy from the device into pageable memory is many times slower
+        (bench/ipc_check.py)."""
         if self._on_host is None:
             buffers = self._staged[0]
             if buffers and buffers[0].is_cuda:

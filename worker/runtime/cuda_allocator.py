@@ -1,11 +1,11 @@
 """torch's CUDA allocator for a worker: expandable segments unless the operator chose otherwise.
 
 vLLM's share of a GPU is sized from what the trainer beside it reserves over a dry pass (vllm_runtime/memory_share.py).
-With torch's default allocator, blocks that one pass splits and the next cannot reuse stay reserved: on an H100,
-randq-14b's 16,384-token pass allocated 19.6 GiB at its peak but reserved 28.5 GiB. Expandable segments map pages into
-one growing segment instead, so what is reserved follows what is allocated: 21.8 GiB for the same pass, a KV cache 49%
-larger (80k to 119k tokens) and the 256 x 512 sample 1.14x (eager) to 1.19x (CUDA graphs) faster (bench/RESULTS.md,
-session 5). vLLM turns them off around its sleep-mode pool by itself (its device_allocator/cumem.py).
+With torch's default allocator, blocks that one pass splits and the next cannot reuse stay reserved, so a large
+shape's pass reserves far more than it allocates at its peak, and vLLM's share shrinks by the difference. Expandable
+segments map pages into one growing segment instead, so what is reserved follows what is allocated: the engine beside
+the trainer gets a larger KV cache, and samples faster (bench/RESULTS.md). vLLM turns them off around its sleep-mode
+pool by itself (its device_allocator/cumem.py).
 
 The setting is an environment variable, so that the processes a worker starts (vLLM's tensor-parallel workers, Ray's
 actors: ray_runtime/cluster.py forwards it) allocate the same way; where torch is imported already, this

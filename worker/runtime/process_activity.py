@@ -1,6 +1,6 @@
 """What else this process did while a stretch of work ran: garbage collections (how many, how long) and the CPU time
-of its other threads. A sampling run slower in the worker than the same work in a bare process (bench/RESULTS.md,
-issue 14) is either slowed from inside the process, which these tell, or from outside it (the GPU, the host).
+of its other threads. A sampling run slower in the worker than the same work in a bare process is either slowed from
+inside the process, which these tell, or from outside it (the GPU, the host).
 
 Linux only for the threads (/proc/self/task); elsewhere their CPU time reads as 0."""
 

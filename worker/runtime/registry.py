@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tinkerq.config import RuntimeConfig
 from worker.runtime import cuda_allocator
-from worker.runtime.runtime import Runtime
+from worker.runtime.versioned import Runtime
 
 RUNTIMES = ("auto", "torch", "reference", "ray")
 TORCH_PACKAGES = ("torch", "transformers", "peft")

@@ -6,7 +6,7 @@ every queued sample whose model has no non-sample job (sync, training op) ahead 
 engine runs, samples that arrive join it (continuous batching) as long as no non-sample job of any
 model is queued ahead of them and the worker's other shard queues are empty, so a sync, a training op or
 another shard's job waits at most for the running batch to drain.
-The taken jobs move atomically from the queue to the shard's in-flight list (so a crash loses none:
+The taken jobs move atomically from the queue to the shard's batched list (so a crash loses none:
 recovery puts them back at the front); each result is stored as it is ready, and the jobs served in one
 engine step are marked finished in RQ together, at the next step; on an exception the unfinished ones go
 back to the head of the queue and are retried one by one.
@@ -29,7 +29,7 @@ from schemas import Result, SampleRequest
 from tinkerq import keys, queues
 from tinkerq.jobs import JobSerializer
 from worker.consumer.admission import Admission, Admitted, job_id
-from worker.consumer.inflight import InFlightList
+from worker.consumer.batched import BatchedList
 from worker.consumer.rq_worker import AllowlistJob
 from worker.shards.fencing import Fence
 
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Claimed:
+class Taken:
     request_id: str
     request: SampleRequest
     job: Job
@@ -50,22 +50,22 @@ class Batcher:
         self.fence = fence
         self.rq_result_ttl_s = rq_result_ttl_s
         self.admission = admission
-        self._inflight: dict[int, InFlightList] = {}
+        self._batched: dict[int, BatchedList] = {}
 
-    def inflight(self, shard: int) -> InFlightList:
-        if shard not in self._inflight:
-            self._inflight[shard] = InFlightList(shard, self.connection, self.fence)
-        return self._inflight[shard]
+    def batched(self, shard: int) -> BatchedList:
+        if shard not in self._batched:
+            self._batched[shard] = BatchedList(shard, self.connection, self.fence)
+        return self._batched[shard]
 
-    def claim(self, queue_key: str, shard: int, limit: int, accept: Callable[[SampleRequest], bool] | None = None,
-              before_any_barrier: bool = False) -> list[Claimed]:
+    def take(self, queue_key: str, shard: int, limit: int, accept: Callable[[SampleRequest], bool] | None = None,
+             before_any_barrier: bool = False) -> list[Taken]:
         """Take up to `limit` queued samples that may be served now (and that `accept` takes), in queue order;
         with `before_any_barrier`, only those ahead of every queued non-sample job."""
         if limit <= 0:
             return []
         candidates = self._servable_ids(queue_key, limit, before_any_barrier)
         loaded = {c.request_id: c for c in self._load(shard, candidates) if accept is None or accept(c.request)}
-        return [loaded[rid] for rid in self.inflight(shard).claim(queue_key, list(loaded))]
+        return [loaded[rid] for rid in self.batched(shard).take_from(queue_key, list(loaded))]
 
     def _servable_ids(self, queue_key: str, limit: int, before_any_barrier: bool) -> list[str]:
         # an entry that is no request id is left for the pop to drop
@@ -92,7 +92,7 @@ class Batcher:
                     break
         return picked
 
-    def _load(self, shard: int, ids: list[str]) -> list[Claimed]:
+    def _load(self, shard: int, ids: list[str]) -> list[Taken]:
         """The admitted samples among `ids`, loaded one hash at a time: a corrupt one is skipped, not fatal."""
         with self.connection.pipeline(transaction=False) as pipe:
             for rid in ids:
@@ -113,19 +113,19 @@ class Batcher:
             verdict = self.admission.admit(job, queue_name)
             if isinstance(verdict, Admitted) and isinstance(verdict.request, SampleRequest):
                 job.verdict = verdict
-                loaded.append(Claimed(rid, verdict.request, job, started))
+                loaded.append(Taken(rid, verdict.request, job, started))
         return loaded
 
-    def finish(self, shard: int, claimed: list[Claimed], worker_name: str | None) -> None:
-        """Mark served jobs FINISHED in RQ (for the dashboard) and drop them from the in-flight list. What RQ's own
-        success path writes, less its rewrite of every field of the job's hash (unchanged since the claim but for
+    def mark_finished(self, shard: int, taken: list[Taken], worker_name: str | None) -> None:
+        """Mark served jobs FINISHED in RQ (for the dashboard) and drop them from the batched list. What RQ's own
+        success path writes, less its rewrite of every field of the job's hash (unchanged since it was taken but for
         these): the status and times, the result, the finished registry, and the hash's expiry."""
-        if not claimed:
+        if not taken:
             return
         ended = utcformat(now())
         ttl = self.rq_result_ttl_s
         with self.fence.pipeline(shard) as pipe:  # a former owner woken from a pause marks nothing
-            for item in claimed:
+            for item in taken:
                 job = item.job
                 pipe.hset(job.key, mapping={"status": JobStatus.FINISHED.value, "started_at": item.started,
                                             "ended_at": ended})
@@ -133,21 +133,21 @@ class Batcher:
                 RQResult.create(job, RQResult.Type.SUCCESSFUL, ttl=ttl, pipeline=pipe, worker_name=worker_name or "",
                                 return_value={"request_id": item.request_id, "type": "sample", "batched": True})
                 FinishedJobRegistry(job.origin, connection=self.connection).add(job, ttl, pipe)
-                self.inflight(shard).remove(item.request_id, pipe)
+                self.batched(shard).remove(item.request_id, pipe)
             pipe.execute()
 
-    def release(self, queue_key: str, shard: int, claimed: list[Claimed]) -> None:
-        """Put claimed jobs back at the head of the queue, in their order (after a failed batch). Fenced: a worker
+    def release(self, queue_key: str, shard: int, taken: list[Taken]) -> None:
+        """Put taken jobs back at the head of the queue, in their order (after a failed batch). Fenced: a worker
         that lost the shard puts nothing back (the new owner's recovery has them)."""
-        if not claimed:
+        if not taken:
             return
         with self.fence.pipeline(shard) as pipe:
-            self.inflight(shard).put_back(queue_key, [item.request_id for item in claimed], pipe)
+            self.batched(shard).put_back(queue_key, [item.request_id for item in taken], pipe)
             pipe.execute()
 
 
 class EngineRun:
-    """The samples one engine run serves: the job at hand, those claimed with it, and those admitted while it
+    """The samples one engine run serves: the job at hand, those taken with it, and those admitted while it
     runs: only while the worker's other queues (`other_queue_keys`) are empty, and for `admit_s` at most, so
     that a stream of samples on one shard holds up no other job for long."""
 
@@ -161,15 +161,15 @@ class EngineRun:
         self.max_requests = max_requests
         self.admit_until = time.monotonic() + admit_s
         self.requests: dict[str, SampleRequest] = {}  # request id -> request, of every request taken in
-        self.unfinished: dict[str, Claimed] = {}
+        self.unfinished: dict[str, Taken] = {}
         self.served: set[str] = set()
         self._to_store: list[tuple[str, Result]] = []  # served, the result not yet stored
-        self._to_finish: list[Claimed] = []  # served, not yet marked FINISHED in RQ
+        self._to_mark: list[Taken] = []  # served, not yet marked FINISHED in RQ
 
     def start(self, request_id: str, request: SampleRequest) -> list[tuple[str, SampleRequest]]:
         self.requests[request_id] = request
-        return [(request_id, request)] + self._take(self.batcher.claim(self.queue_key, self.shard,
-                                                                        self.max_requests - 1))
+        return [(request_id, request)] + self._take(self.batcher.take(self.queue_key, self.shard,
+                                                                       self.max_requests - 1))
 
     def admit(self, accept: Callable[[SampleRequest], bool]) -> list[tuple[str, SampleRequest]]:
         self.flush()
@@ -179,34 +179,34 @@ class EngineRun:
         mine, *others = queues.lengths(self.batcher.connection, [self.queue_key, *self.other_queue_keys])
         if not mine or any(others):
             return []
-        return self._take(self.batcher.claim(self.queue_key, self.shard, room, accept, before_any_barrier=True))
+        return self._take(self.batcher.take(self.queue_key, self.shard, room, accept, before_any_barrier=True))
 
-    def finished(self, request_id: str, result: Result) -> None:
+    def record_served(self, request_id: str, result: Result) -> None:
         """The request is served: its result is stored, and its RQ job marked finished, at the next flush (the job
         at hand is RQ's own to finish)."""
         self.served.add(request_id)
         self._to_store.append((request_id, result))
-        claimed = self.unfinished.pop(request_id, None)
-        if claimed is not None:
-            self._to_finish.append(claimed)
+        taken = self.unfinished.pop(request_id, None)
+        if taken is not None:
+            self._to_mark.append(taken)
 
     def flush(self) -> None:
         """Store the results served since the last flush, then mark their jobs FINISHED in RQ: the engine calls admit
         once per step, so the samples one step finished cost two round trips here, not two each (256 samples of one
         length all end in the same step). A crash before the flush leaves them in flight; recovery requeues them,
         and those whose result was stored find it there."""
-        to_store, to_finish = self._to_store, self._to_finish
-        self._to_store, self._to_finish = [], []
+        to_store, to_mark = self._to_store, self._to_mark
+        self._to_store, self._to_mark = [], []
         if to_store:
             self.store(to_store)
-        self.batcher.finish(self.shard, to_finish, self.worker_name)
+        self.batcher.mark_finished(self.shard, to_mark, self.worker_name)
 
     def release(self) -> None:
         """After a failure: put back what was taken and not served."""
         self.batcher.release(self.queue_key, self.shard, list(self.unfinished.values()))
 
-    def _take(self, claimed: list[Claimed]) -> list[tuple[str, SampleRequest]]:
-        for item in claimed:
+    def _take(self, taken: list[Taken]) -> list[tuple[str, SampleRequest]]:
+        for item in taken:
             self.unfinished[item.request_id] = item
             self.requests[item.request_id] = item.request
-        return [(item.request_id, item.request) for item in claimed]
+        return [(item.request_id, item.request) for item in taken]

@@ -63,6 +63,13 @@ def summary(request_id: str, result: Result) -> dict[str, Any]:
 
 
 class Dispatcher:
+    """Turns an admitted job into exactly one stored result. It owns the admission rules, the batcher (the samples
+    taken with a job), the sequencer (a model's training ops run in seq_id order, an early one parked), durability
+    (journal, restorer, checkpointer) and the stability records; it serves against the worker process's runtime.
+    Invariants: every write is fenced by the shard's lease and the first result stored wins (`store_result`), so a
+    request gets one result however often it runs; a state-changing op's result is stored together with its journal
+    entry when durable; a job whose result is already stored is skipped."""
+
     def __init__(self, connection: Redis, runtime: Runtime, fence: Fence, config: QueueConfig,
                  limits: Limits | None = None) -> None:
         self.connection = connection
@@ -76,15 +83,16 @@ class Dispatcher:
         self.journal = Journal(connection)
         self.restorer = Restorer(connection, runtime, self.journal)
         self.checkpointer = Checkpointer(runtime, fence, self.journal, config.durable_every, config.durable_async)
-        self.sequencer = Sequencer(connection, fence, config.seq_gap_timeout_s, self._execute, self.finish,
+        self.sequencer = Sequencer(connection, fence, config.seq_gap_timeout_s, self._execute, self.store_result,
                                    self.admission)
 
-    def finish(self, shard: int, request_id: str, result: Result, packed: bool = False) -> bool:
+    def store_result(self, shard: int, request_id: str, result: Result, packed: bool = False) -> bool:
         """Store the request's one result (fenced, first writer wins); `packed`: see encoded()."""
-        return self.finish_many(shard, [(request_id, result)], packed)[0]
+        return self.store_results(shard, [(request_id, result)], packed)[0]
 
-    def finish_many(self, shard: int, results: list[tuple[str, Result]], packed: bool = False) -> list[bool]:
-        """Store many requests' results in one round trip (the samples one engine step finished), each as `finish`."""
+    def store_results(self, shard: int, results: list[tuple[str, Result]], packed: bool = False) -> list[bool]:
+        """Store many requests' results in one round trip (the samples one engine step served), each as
+        `store_result`."""
         stored = self.fence.put_results(shard, [(rid, encoded(result, packed), _status(result))
                                                 for rid, result in results], self.config.result_ttl_s)
         for (rid, _), fresh in zip(results, stored):
@@ -95,7 +103,7 @@ class Dispatcher:
     def fail(self, shard: int, request_id: str, error: ErrorResponse) -> None:
         """Best-effort error result for infrastructure failures (never raises)."""
         try:
-            self.finish(shard, request_id, error)
+            self.store_result(shard, request_id, error)
         except Exception:  # noqa: BLE001 - called from failure paths that must not fail again
             log.exception("could not store the error result of %s", request_id)
 
@@ -108,7 +116,7 @@ class Dispatcher:
         if self.connection.exists(keys.result_key(rid)):
             return {"request_id": rid, "skipped": "result already stored"}
         if isinstance(verdict, Refused):
-            self.finish(shard, rid, verdict.error)
+            self.store_result(shard, rid, verdict.error)
             return summary(rid, verdict.error)
         request = verdict.request
         if isinstance(request, SampleRequest):
@@ -120,7 +128,7 @@ class Dispatcher:
         if self.config.durable and not isinstance(request, (DeleteCheckpointRequest, CreateCustomLossRequest)):
             lost = self.restorer.ensure(request.model_id)
             if lost is not None:
-                self.finish(shard, rid, lost)
+                self.store_result(shard, rid, lost)
                 return
         try:
             result = self.runtime.execute(request)
@@ -140,11 +148,11 @@ class Dispatcher:
                 self.fence.hset(shard, keys.shard_bases_key(shard), result.base_model, result.model_id)
         self._register_checkpoint(shard, request, result)
         if self.config.durable and changes_state(request, result):
-            self._finish_journaled(shard, rid, request, result)
+            self._store_journaled(shard, rid, request, result)
         else:
-            self.finish(shard, rid, result, packed_results(request))
+            self.store_result(shard, rid, result, packed_results(request))
 
-    def _finish_journaled(self, shard: int, rid: str, request: Request, result: Result) -> None:
+    def _store_journaled(self, shard: int, rid: str, request: Request, result: Result) -> None:
         """Store the result of a state-changing op together with its journal entry (worker/durability/journal.py)."""
         model_id = request.model_id
         try:
@@ -201,14 +209,14 @@ class Dispatcher:
         # list() copies in one step: the lease keeper thread may take or lose a shard meanwhile
         others = [keys.queue_key(owned) for owned in list(self.fence.tokens) if owned != shard]
         run = batching.EngineRun(self.batcher, keys.queue_key(shard), shard, self.config.max_batch_requests,
-                                 self.config.batch_admit_s, others, lambda results: self.finish_many(shard, results),
+                                 self.config.batch_admit_s, others, lambda results: self.store_results(shard, results),
                                  job.worker_name, self.stopping.is_set)
 
         def done(each_rid: str, result: Result) -> None:
             each = run.requests[each_rid]
             if isinstance(result, SampleOutput):
                 self.stability.record(shard, each, result)  # now: before its result can be stored
-            run.finished(each_rid, self._state_lost(each.model_id, result))
+            run.record_served(each_rid, self._state_lost(each.model_id, result))
 
         def restored(items: list[tuple[str, SampleRequest]]) -> list[tuple[str, SampleRequest]]:
             """The items whose model is ready here (rebuilt from its journal if need be); the others answered."""

@@ -21,7 +21,7 @@ from worker.shards.fencing import Fence, FencedOut
 log = logging.getLogger(__name__)
 
 Execute = Callable[[int, str, Request], None]
-Finish = Callable[[int, str, ErrorResponse], None]
+StoreResult = Callable[[int, str, ErrorResponse], None]
 
 
 def _creates_model(request: Request) -> bool:
@@ -30,13 +30,13 @@ def _creates_model(request: Request) -> bool:
 
 
 class Sequencer:
-    def __init__(self, connection: Redis, fence: Fence, gap_timeout_s: float, execute: Execute, finish: Finish,
-                 admission: Admission):
+    def __init__(self, connection: Redis, fence: Fence, gap_timeout_s: float, execute: Execute,
+                 store_result: StoreResult, admission: Admission):
         self.connection = connection
         self.fence = fence
         self.gap_timeout_s = gap_timeout_s
         self.execute = execute
-        self.finish = finish
+        self.store_result = store_result
         self.held = HeldOps(connection, fence, admission)
 
     def last_seq(self, model_id: str) -> int:
@@ -65,7 +65,7 @@ class Sequencer:
             return "ran"
         last = self.last_seq(model_id)
         if seq_id <= last:
-            self.finish(shard, rid, _stale(model_id, seq_id, last))
+            self.store_result(shard, rid, _stale(model_id, seq_id, last))
             return "rejected"
         if seq_id > last + 1:
             self.held.hold(shard, rid, request, time.time() + self.gap_timeout_s)
@@ -94,11 +94,11 @@ class Sequencer:
             if verdict is None:
                 continue
             if isinstance(verdict, Refused):  # not the op it was parked as: someone wrote it there
-                self.finish(shard, rid, verdict.error)
+                self.store_result(shard, rid, verdict.error)
                 continue
             request = verdict.request
             if request.seq_id <= last:
-                self.finish(shard, rid, _stale(model_id, request.seq_id, last))
+                self.store_result(shard, rid, _stale(model_id, request.seq_id, last))
                 continue
             try:
                 self._run_in_order(shard, rid, request)
@@ -128,10 +128,10 @@ class Sequencer:
             if verdict is None:
                 continue
             if isinstance(verdict, Refused):
-                self.finish(shard, rid, verdict.error)
+                self.store_result(shard, rid, verdict.error)
                 continue
             seq_id, expected = verdict.request.seq_id, self.last_seq(model_id) + 1
-            self.finish(shard, rid, ErrorResponse(
+            self.store_result(shard, rid, ErrorResponse(
                 error=f"seq_id {seq_id} of model {model_id!r} waited {self.gap_timeout_s:g}s "
                 f"for seq_id {expected}, which never arrived",
                 status=408, code="seq_gap_timeout", retryable=False,

@@ -94,9 +94,9 @@ return length + tonumber(redis.call('HGET', KEYS[6], 'offset') or '0')
 # while it was written (worker/durability/checkpointer.py), and take the optim_steps it covers off the count towards the next.
 # Refused (0) unless entry `upto` - 1 is still listed: an older checkpoint never replaces a newer one, and no entry
 # the checkpoint lacks is dropped. Every command that can fail runs before the first write: Redis does not undo a
-# script's writes when a later command fails (HINCRBY by "-0", a checkpoint covering no optim_step, did, after the
-# trim and the record, and the caller then deleted the file it had just recorded). KEYS: (lease), journal, journal base. ARGV: (token), upto, the checkpoint's
-# record, the optim_steps it covers.
+# script's writes when a later command fails, and a caller told the script failed deletes the file whose record it
+# may have written (HINCRBY by "-0", for a checkpoint covering no optim_step, fails). KEYS: (lease), journal, journal
+# base. ARGV: (token), upto, the checkpoint's record, the optim_steps it covers.
 _TRIM_JOURNAL = """
 local offset = tonumber(redis.call('HGET', KEYS[3], 'offset') or '0')
 local upto = tonumber(ARGV[2])

@@ -8,7 +8,7 @@ from pathlib import Path
 from tinkerq.catalog import BaseModelCatalog
 from tinkerq.config import RuntimeConfig
 from worker.runtime.base import Engine
-from worker.runtime.runtime import Runtime
+from worker.runtime.versioned import Runtime
 from worker.torch_runtime.base_models import BaseModels
 from worker.torch_runtime.engine import TorchEngine
 from worker.torch_runtime.packed_forward import TrainOptions

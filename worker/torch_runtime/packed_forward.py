@@ -85,10 +85,9 @@ class TrainOptions:
         return cls()
 
 
-# What a pass keeps whole on a GPU by default: a share of the card, capped. An H100 (80 GB) gets 11.9 GiB, an H200
-# 20 GiB: there 1.5B's 16k-token pass checkpoints 6 layers instead of 15, 1.96x -> 2.03x plain's speed (H200,
-# bench/RESULTS.md), and an 8B-shaped 32k pass peaks at 39.4 GiB. The engine's `auto` memory share measures the
-# trainer's peak with it, so vLLM gets the rest either way.
+# What a pass keeps whole on a GPU by default: a share of the card, capped. A layer kept whole is not recomputed in
+# the backward, so a larger card runs a long pass faster; the cap bounds what one pass holds beside the engine. The
+# engine's `auto` memory share measures the trainer's peak with it, so vLLM gets the rest either way.
 ACTIVATION_SHARE = 0.15
 ACTIVATION_CAP_BYTES = 20 * 2**30
 
@@ -188,8 +187,8 @@ def _checkpoint_count(base: LoadedBase, adapter: str, tokens: torch.Tensor, batc
 
 
 def _copied_layers(base: LoadedBase, adapter: str, dtype: torch.dtype) -> list:
-    """`lora_compute.copied_layers`, walked once per adapter and dtype (a walk over ~3k modules took 16 ms of a 0.5B
-    call on an H100 under the profiler, before its first kernel)."""
+    """`lora_compute.copied_layers`, walked once per adapter and dtype (the walk visits every module of the model
+    in Python, before the call's first kernel can start)."""
     key = (adapter, dtype)
     if key not in base.copied_layers:
         causal = base.model.get_base_model()

@@ -158,9 +158,9 @@ class TorchTrainer(Trainer):
     def peak_training_bytes(self, base_model: str, rank: int) -> tuple[int, int]:
         """The device memory `dry_run` takes above what it holds now, and the tokens of the pass it ran. CUDA only.
         What torch's allocator reserved, not only what it handed out: the blocks a pass splits and cannot reuse stay
-        the trainer's (3-6 GiB of a 14B shape's passes on an H100, which ran out of memory beside an engine sized
-        from the allocated peak alone: bench/RESULTS.md). With expandable segments, the worker's default
-        (worker/runtime/cuda_allocator.py), the two were 0.5 GiB apart on that shape rather than 8.9."""
+        the trainer's (gigabytes on a large shape), so a trainer beside an engine sized from the allocated peak alone
+        runs out of memory. With expandable segments, the worker's default (worker/runtime/cuda_allocator.py), the
+        two stay close."""
         device = self.bases.get(base_model).device
         if device.type != "cuda":
             raise ValueError(f"peak_training_bytes measures CUDA memory, not {device}")

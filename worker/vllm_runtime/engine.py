@@ -93,7 +93,7 @@ class VllmEngine(Engine):
         self.writers: dict[str, inplace_merged.MergedWriter | None] = {}
         # merged mode: base -> how many times its engine's weights changed. Requests carry it as vLLM's cache_salt
         # (part of every prefix-cache key), so KV cached on older weights is never hit again, with no reset
-        # (vLLM's reset_prefix_cache walks every KV block in Python: ~200k of them for 0.5B in 0.3 of an H200).
+        # (vLLM's reset_prefix_cache walks every KV block in Python: a cost that grows with the cache, at every sync).
         self.epochs: dict[str, int] = {}
         # TINKERQ_VLLM_GPU_MEMORY_UTILIZATION=auto measures the trainer beside it (memory_share.py)
         self.trainer_need = trainer_need
@@ -167,8 +167,8 @@ class VllmEngine(Engine):
         if base_model in self.llms:
             return
         self._llm(base_model)  # vLLM's engine: its weights, KV cache and (on a GPU) memory share and CUDA graphs
-        # vLLM's first step after its start sets up what it builds lazily (1.5-2 s of the CPU engine's first sample,
-        # LoRA's kernels among it): one token of the bare base pays that here, before any model is served
+        # vLLM's first step after its start sets up what it builds lazily (most of the first sample's time, LoRA's
+        # kernels among it): one token of the bare base pays that here, before any model is served
         probe = SampleRequest(model_id=base_model_id(base_model), base_model=base_model, prompt_tokens=[0], weights_version=0,
                               sampling_params=SamplingParams(max_tokens=1))
         result = self.generate([probe])[0]
@@ -260,8 +260,8 @@ class VllmEngine(Engine):
         llm = self.llms[base_model]
         if base_model not in self.writers:
             # vLLM 0.26's CUDA linear layers read `layer.weight` itself (UnquantizedLinearMethod.apply), so the
-            # in-place write is what they serve; the H200 run that seemed to say otherwise trained one datum until
-            # its logprobs stopped moving (bench/RESULTS.md, 2026-12-04: bf16 merge noise 0.03, step 0.06).
+            # in-place write is what they serve. A logprob that barely moves after a sync is no sign of stale
+            # weights: one optimizer step's change can be close to the noise of merging in bf16.
             self.writers[base_model] = (inplace_merged.MergedWriter.attach(llm, self._base_weights(base_model))
                                         if self.inplace else None)
         writer = self.writers[base_model]

@@ -1,7 +1,7 @@
 """LoRA sync at memory speed: the trainer's adapter tensors are copied straight into vLLM's stacked LoRA slots.
 
 vLLM's own path writes a peft directory, parses it into a LoRAModel, folds the scaling into B and copies
-module by module (~180 ms for 0.5B on an H200). Here the layout is read once from the engine's LoRA manager
+module by module, at every sync. Here the layout is read once from the engine's LoRA manager
 (which vLLM module and which slice of a packed qkv_proj / gate_up_proj each peft module lands in), and a
 sync is one batched copy of every A and B into a free (or least recently used) slot, B scaled on its copy.
 

@@ -1,6 +1,6 @@
 """Merged sync at memory speed: base + scale * B @ A written straight into the engine's own parameters.
 
-vLLM's reload path re-materialises every layer from HF-named tensors (~110-170 ms for 0.5B on an H200).
+vLLM's reload path re-materialises every layer from HF-named tensors, at every sync.
 Here the HF -> vLLM map is built once (q/k/v rows of qkv_proj, gate/up rows of gate_up_proj, the rest by
 name), and a sync writes only the modules the adapter targets, one fused kernel each
 (`addmm(base, B, A, alpha=scale)` into the parameter's rows; modules of one shape batched: every layer's q_proj in

@@ -88,8 +88,8 @@ def measured_share(base: str, measure: Callable[[], tuple[int, int]], mem_info: 
 
 def after_start(plan: MemoryPlan, free: int) -> tuple[int, str]:
     """The log level and line for what the trainer has once the engine of `plan.base` started: `free` bytes
-    against its measured peak. vLLM can take more than its share (with CUDA graphs vLLM 0.26 left their 1.5 GiB out of
-    it on a 14B shape: bench/RESULTS.md, session 5); the margin absorbs that, and this says where it did not."""
+    against its measured peak. vLLM can take more than its share (vLLM 0.26 leaves its CUDA graphs' memory out of
+    it); the margin absorbs that, and this says where it did not."""
     line = (f"after vLLM's start for {plan.base}: {free / GIB:.2f} GiB free for the trainer's peak of "
             f"{plan.trainer_peak / GIB:.2f} GiB")
     if free >= plan.trainer_peak:

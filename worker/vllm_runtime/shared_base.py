@@ -2,8 +2,8 @@
 
 With LoRA sync the base never changes: the trainer's adapters are tensors of their own, and vLLM's live in its slots.
 So the trainer's base parameters can be views of the engine's (q/k/v rows of qkv_proj, gate/up rows of gate_up_proj,
-the rest by name: the map inplace_merged builds), and its own copy freed: the base's bytes once instead of twice (a
-14B base: 29.5 GB of an H200's 141).
+the rest by name: the map inplace_merged builds), and its own copy freed: the base's bytes once instead of twice
+(a 14B base's bf16 weights are about 30 GB).
 
 Order, in the engine's start-up for a base: the trainer's peak is measured on its own copy; that copy then moves to
 host memory (`park`), so that the engine's share is planned over the memory it leaves; vLLM loads the base; the

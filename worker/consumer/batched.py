@@ -1,4 +1,4 @@
-"""A shard's in-flight list: the sample jobs a worker took out of the queue to serve in one engine run.
+"""A shard's batched list: the sample jobs a worker took out of the queue to serve in one engine run.
 
 RQ's intermediate list holds the one job RQ popped; this list holds the samples batched with it. A job moves
 from the queue to here atomically, leaves when it is finished or put back, and recovery requeues what a dead
@@ -10,35 +10,35 @@ from redis.client import Pipeline
 from tinkerq import keys
 from worker.shards.fencing import Fence
 
-# KEYS: (lease), queue, in-flight list. ARGV: (token), job ids. Moves each id still queued; returns the ids moved.
-_CLAIM = """
-local claimed = {}
+# KEYS: (lease), queue, batched list. ARGV: (token), job ids. Moves each id still queued; returns the ids moved.
+_TAKE = """
+local moved = {}
 for i = 2, #ARGV do
   if redis.call('LREM', KEYS[2], 1, ARGV[i]) == 1 then
     redis.call('RPUSH', KEYS[3], ARGV[i])
-    table.insert(claimed, ARGV[i])
+    table.insert(moved, ARGV[i])
   end
 end
-return claimed
+return moved
 """
 
 
-class InFlightList:
+class BatchedList:
     def __init__(self, shard: int, connection: Redis, fence: Fence | None = None) -> None:
         self.shard = shard
-        self.key = keys.inflight_key(shard)
+        self.key = keys.batched_key(shard)
         self.connection = connection
-        self._claim = fence.script(_CLAIM) if fence is not None else None
+        self._take = fence.script(_TAKE) if fence is not None else None
 
-    def claim(self, queue_key: str, job_ids: list[str]) -> list[str]:
+    def take_from(self, queue_key: str, job_ids: list[str]) -> list[str]:
         """Move the ids still in the queue here, in one step under the shard's lease; returns those moved, in
         order (FencedOut if the lease is not ours)."""
         if not job_ids:
             return []
-        if self._claim is None:
-            raise RuntimeError("an in-flight list built without a fence only reads and removes")
-        return [rid.decode() for rid in self._claim(self.shard, [queue_key, self.key], job_ids,
-                                                    f"the claim of {len(job_ids)} samples", retry=False)]
+        if self._take is None:
+            raise RuntimeError("a batched list built without a fence only reads and removes")
+        return [rid.decode() for rid in self._take(self.shard, [queue_key, self.key], job_ids,
+                                                   f"taking {len(job_ids)} samples", retry=False)]
 
     def entries(self) -> list[bytes]:
         """The list as it is in Redis, untrusted: anyone who can write to Redis may have pushed anything here."""

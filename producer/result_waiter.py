@@ -15,7 +15,7 @@ import time
 
 from redis import ConnectionPool, Redis, RedisError
 
-from producer.waiting import Backoff, Waiters
+from producer.wakeups import Backoff, Waiters
 from schemas import Result, parse_result
 from tinkerq import keys
 

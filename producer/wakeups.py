@@ -1,4 +1,5 @@
-"""What the two result waiters share, without I/O: `producer.waiter.ResultWaiter` (threads, for the library) and
+"""Which local waiters to wake when a result is announced, and when the listener retries: what the two result
+waiters share, without I/O: `producer.result_waiter.ResultWaiter` (threads, for the library) and
 `producer.api.long_poll.AsyncResultWaiter` (asyncio, for the API). Each listens on `keys.DONE_CHANNEL` and wakes the
 local waiters of an announced id; after a reconnect it wakes them all (what landed meanwhile was not announced to
 it), and each waiter reads its result after registering, so a result published in between is not missed."""
