@@ -43,18 +43,20 @@ class QueueConfig(BaseSettings):
     # sampling or their last use in training (Tinker: one day).
     stability_ttl_s: int = Field(86400, ge=1)
     # Each state-changing training op is journaled in Redis with its result, so any worker can rebuild the model
-    # after its owner dies (worker/durability/journal.py). Off: a model lives only in its owner's memory (model_state_lost).
+    # after its owner dies (worker/durability/journal.py). Off: a model lives only in its owner's memory
+    # (model_state_lost).
     durable: bool = True
     # Every this many optim_steps of a model, its owner writes a durable checkpoint of its whole state to the
     # checkpoint root and trims the journal before it (worker/durability/checkpointer.py), so a takeover replays at most
     # this many steps and Redis holds no more of their data. 0: never (the journal grows with the run).
     durable_every: int = Field(10, ge=0)
     # Write those checkpoints on a side thread: the step copies the tensors to host memory (pinned on a GPU) and
-    # returns; the journal is trimmed once the file is whole (worker/durability/checkpointer.py). False: the step writes it.
+    # returns; the journal is trimmed once the file is whole (worker/durability/checkpointer.py). False: the step
+    # writes it.
     durable_async: bool = True
     # Base models a worker loads (trainer and engine) while it owns no shard, so that a takeover pays no engine
-    # start (worker/shards/preload.py): comma-separated names, `auto` for the bases of the models created or loaded on the
-    # shards it may take (re-read each standby tick), `none` for nothing.
+    # start (worker/shards/preload.py): comma-separated names, `auto` for the bases of the models created or loaded on
+    # the shards it may take (re-read each standby tick), `none` for nothing.
     preload_bases: str = "auto"
 
     @model_validator(mode="after")
