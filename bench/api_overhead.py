@@ -33,16 +33,16 @@ from pathlib import Path
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import httpx  # noqa: E402
-import psutil  # noqa: E402
-import pyqwest  # noqa: E402
-import tinker  # noqa: E402
-from pyqwest.httpx import AsyncPyqwestTransport  # noqa: E402
-from redis import Redis  # noqa: E402
-from rq.job import Job  # noqa: E402
-from rq.serializers import JSONSerializer  # noqa: E402
-from tinker import types  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import httpx
+import psutil
+import pyqwest
+import tinker
+from pyqwest.httpx import AsyncPyqwestTransport
+from redis import Redis
+from rq.job import Job
+from rq.serializers import JSONSerializer
+from tinker import types
+from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -301,7 +301,8 @@ class RoundProbe:
 
 def run_rounds(paths: dict, meters: dict[str, CpuMeter], probe: RoundProbe, args) -> dict[str, dict]:
     """Rounds alternate the paths, so drift on a shared machine hits all of them alike."""
-    rows = {name: {"rates": [], "latencies": [], "first_arrival": [], "last_arrival": [], "batches": [], "cpu": dict.fromkeys(meters, 0.0)}
+    rows = {name: {"rates": [], "latencies": [], "first_arrival": [], "last_arrival": [], "batches": [],
+                   "cpu": dict.fromkeys(meters, 0.0)}
             for name in paths}
     probe.after(time.time())  # everything before the first round
     for _ in tqdm(range(args.rounds), desc="rounds"):
@@ -344,13 +345,15 @@ def summarize(rows: dict[str, dict], args) -> dict:
 
 
 def print_report(report: dict, args) -> None:
-    print(f"\n{'path':<20}{'samples/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'in: first-last':>16}{'calls':>6}   CPU ms per sample: "
+    print(f"\n{'path':<20}{'samples/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'in: first-last':>16}{'calls':>6}"
+          "   CPU ms per sample: "
           f"client / API / worker   ({args.concurrency} concurrent, {args.rounds} rounds; in: ms from the "
           f"round's start to its first and last request reaching the queue; calls: engine calls per round)")
     for name in [n for n in ("sdk_via_api", "http_via_api", "producer_direct") if n in report]:
         row, cpu = report[name], report[name]["cpu_ms_per_sample"]
         print(f"{name:<20}{row['samples_per_s']:>10.1f}{row['p50_ms']:>9.1f}{row['p99_ms']:>9.1f}"
-              f"{row['first_arrival_ms']:>9.1f}-{row['last_arrival_ms']:<6.1f}{row['engine_calls_per_round']:>6g}   {cpu['client']:>6.2f} / {cpu['api']:>5.2f} / {cpu['worker']:>5.2f}")
+              f"{row['first_arrival_ms']:>9.1f}-{row['last_arrival_ms']:<6.1f}{row['engine_calls_per_round']:>6g}"
+              f"   {cpu['client']:>6.2f} / {cpu['api']:>5.2f} / {cpu['worker']:>5.2f}")
     for name, label in (("sdk_via_api", "tinker SDK + HTTP layer"), ("http_via_api", "HTTP layer alone")):
         row = report.get(name, {})
         if "throughput_overhead" not in row:

@@ -71,7 +71,7 @@ def timed(worker: WorkerProcess, times: dict[str, list[float]]) -> None:
     """Record the wall time the dispatcher spends on each training op, by kind."""
     execute = worker.dispatcher._execute
 
-    def each(shard, rid, request):  # noqa: ANN001, ANN202
+    def each(shard, rid, request):
         t0 = time.perf_counter()
         execute(shard, rid, request)
         synchronize()
@@ -165,7 +165,7 @@ def main() -> None:
         if server is not None:
             server.stop()
 
-    def ms(values: list[float], how) -> float:  # noqa: ANN001
+    def ms(values: list[float], how) -> float:
         return how(values) * 1e3
 
     rows = []

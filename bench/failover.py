@@ -214,7 +214,8 @@ def main() -> None:
                "backlog_served_median_s": statistics.median(backlog),
                "max_over_ttl": max(times) / ttl_s, "median_over_ttl": statistics.median(times) / ttl_s,
                **{f"{event}_median": statistics.median(r[event] for r in rows if event in r)
-                  for event in ("owned_s", "restore_s") if any(event in r for r in rows)}, "errors": sum(len(r["errors"]) for r in rows),
+                  for event in ("owned_s", "restore_s") if any(event in r for r in rows)},
+               "errors": sum(len(r["errors"]) for r in rows),
                "lost": sum(r["lost"] for r in rows)}
     print(f"\n{'lease TTL s':>11} {'median s':>9} {'max s':>7} {'max / TTL':>9} {'backlog s':>9} {'errors':>6} "
           f"{'lost':>5}")

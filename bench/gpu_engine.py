@@ -85,13 +85,14 @@ def run_model(name: str, args, bandwidth: float) -> dict:
         for _ in range(args.sync_repeats):
             version += 1
             request = WeightSyncRequest(model_id=model, version=version, name="snap" if kind == "named" else None)
-            _, seconds = timed(lambda: rt.execute(request))
+            _, seconds = timed(lambda request=request: rt.execute(request))
             syncs[kind].append(seconds * 1000)
     return {
         "model": name, "path": str(path), "params_bytes": model_bytes, "lora_bytes": lora_bytes,
         "rows": args.requests * args.num_samples, "tokens_per_s": statistics.median(rates),
         "sync_ms": {k: statistics.median(v) for k, v in syncs.items()},
-        "floor_ms": {"lora_over_hbm": 1000 * lora_bytes / bandwidth, "full_weights_over_hbm": 1000 * model_bytes / bandwidth},
+        "floor_ms": {"lora_over_hbm": 1000 * lora_bytes / bandwidth,
+                     "full_weights_over_hbm": 1000 * model_bytes / bandwidth},
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30,
     }
 

@@ -306,7 +306,8 @@ def rl_steps(args, queue: Queue) -> list[dict]:
         fb = queue.wait(queue.producer.submit(ForwardBackwardRequest(model_id=MODEL, data=data, loss_fn=args.loss)),
                         "forward_backward")
         t3 = time.perf_counter()
-        queue.wait(queue.producer.submit(OptimStepRequest(model_id=MODEL, adam_params=AdamParams(learning_rate=args.lr))),
+        queue.wait(queue.producer.submit(OptimStepRequest(model_id=MODEL,
+                                                          adam_params=AdamParams(learning_rate=args.lr))),
                    "optim_step")
         t4 = time.perf_counter()
         sync = queue.wait(queue.producer.submit(WeightSyncRequest(model_id=MODEL)), "weight_sync")
@@ -317,7 +318,8 @@ def rl_steps(args, queue: Queue) -> list[dict]:
         t1b = t1 + aside_s  # the build starts after them
         row.update({"ms": dict(zip(PHASES, ((b - a) * 1e3 for a, b in ((t0, t1), (t1b, t2), (t2, t3), (t3, t4),
                                                                       (t4, t5))))),
-                    "total_ms": (t5 - t0 - aside_s) * 1e3, "sampled_tokens": tokens, "sample_tokens_per_s": tokens / (t1 - t0),
+                    "total_ms": (t5 - t0 - aside_s) * 1e3, "sampled_tokens": tokens,
+                    "sample_tokens_per_s": tokens / (t1 - t0),
                     "train_tokens": sum(len(d.model_input) for d in data), "loss": fb.metrics.get("loss:sum"),
                     "mean_reward": statistics.fmean(reward(s.tokens) for o in outputs for s in o.sequences),
                     "version": version})
@@ -364,7 +366,7 @@ def print_table(args, summary: dict, runtime: str = "torch") -> None:
     for phase, ms in summary["phase_ms"].items():
         print(f"{phase:<18}{ms:>10.1f}{ms / total:>9.2%}")
     print(f"{'step (total)':<18}{total:>10.1f}{1:>9.0%}")
-    goal = lambda ok: "met" if ok else "NOT met"  # noqa: E731
+    goal = lambda ok: "met" if ok else "NOT met"
     print(f"\nsync share of the step (median of per-step shares): {summary['sync_share']:.3%}  "
           f"(goal < 1%: {goal(summary['sync_share'] < 0.01)})")
     if summary["raw_tokens_per_s"] is None:
@@ -375,7 +377,8 @@ def print_table(args, summary: dict, runtime: str = "torch") -> None:
               f"{summary['engine_in_process_tokens_per_s']:.0f} tok/s; queue / raw = "
               f"{summary['sampling_ratio_to_raw']:.3f} (goal >= 0.9: {goal(summary['sampling_ratio_to_raw'] >= 0.9)})")
     if summary["resample_ratio_to_raw"] is not None:
-        print(f"the same batch sampled again at once (no training between): {summary['resample_ratio_to_raw']:.3f} of raw")
+        print("the same batch sampled again at once (no training between): "
+              f"{summary['resample_ratio_to_raw']:.3f} of raw")
     print(f"every sample served on the version of the sync before it: {summary['all_served_right_version']}")
 
 
@@ -433,7 +436,8 @@ def main() -> None:
     parser.add_argument("--memory-margin-gib", type=float, default=2.0)
     parser.add_argument("--micro-batch-tokens", type=int, default=0, help="TINKERQ_TRAIN_MICRO_BATCH_TOKENS")
     parser.add_argument("--eager", action=argparse.BooleanOptionalAction, default=None,
-                        help="vLLM eager (--eager) or CUDA graphs (--no-eager); default: the worker's (graphs on a GPU)")
+                        help="vLLM eager (--eager) or CUDA graphs (--no-eager); "
+                             "default: the worker's (graphs on a GPU)")
     parser.add_argument("--sleep", action="store_true", help="vLLM sleep mode during forward passes")
     parser.add_argument("--share-base", action=argparse.BooleanOptionalAction, default=True,
                         help="TINKERQ_VLLM_SHARE_BASE: the trainer reads the base from the engine's weights")

@@ -274,14 +274,15 @@ def run_model(name: str, args) -> dict:
         variants = {"ours": base_options, **({} if sum(lengths) < 16384 else args.variants)}
         for label, options in variants.items():
             trainer.options = options
-            result = measure(lambda: trainer.forward(request, True), args.repeats, zero)
+            result = measure(lambda request=request: trainer.forward(request, True), args.repeats, zero)
             result["checkpointed_layers"] = checkpointed_layers(trained, options, sum(lengths))
             row[label] = result
             log(f"{name} {shape} {label}: {fmt(result, row)}, {result['checkpointed_layers']} layers checkpointed")
         trainer.options = base_options
         if not args.no_plain:
             tokens, targets, mask = padded(request, DEVICE)
-            row["plain"] = measure(lambda: plain_step(model, tokens, targets, mask), args.repeats, zero)
+            row["plain"] = measure(lambda tokens=tokens, targets=targets, mask=mask:
+                                   plain_step(model, tokens, targets, mask), args.repeats, zero)
             log(f"{name} {shape} plain: {fmt(row['plain'], row)}")
             del tokens, targets, mask
         if args.profile and shape == args.profile:
@@ -290,8 +291,8 @@ def run_model(name: str, args) -> dict:
         rows.append(row)
     estimate = layer_bytes_per_token(config, torch.bfloat16)
     measured = {str(k[1:]): v for k, v in trained.base.layer_bytes.items()}
-    log(f"{name}: a layer keeps {measured} bytes per token, measured by (fused, remake_swiglu, lora_function); estimated from "
-        f"the shapes {estimate}")
+    log(f"{name}: a layer keeps {measured} bytes per token, measured by (fused, remake_swiglu, lora_function); "
+        f"estimated from the shapes {estimate}")
     result = {"model": name, "params": sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n),
               "lora_params": sum(p.numel() for p in params.values()), "exactness": exact, "rows": rows,
               "profile": profiled,
@@ -342,8 +343,9 @@ def softmax_kernels_bench(vocab: int = 151936, rows: int = 883, repeats: int = 2
         logprobs, lse = sk.target_logprobs_lse(logits, targets, kernels)
         copies = [logits.clone() for _ in range(repeats + 1)]
         runs[name] = {
-            "forward_ms": cuda_ms(lambda i: sk.target_logprobs_lse(logits, targets, kernels), repeats),
-            "backward_ms": cuda_ms(lambda i: sk.softmax_grad_(copies[i], targets, lse, upstream, kernels), repeats),
+            "forward_ms": cuda_ms(lambda i, kernels=kernels: sk.target_logprobs_lse(logits, targets, kernels), repeats),
+            "backward_ms": cuda_ms(lambda i, copies=copies, lse=lse, kernels=kernels:
+                                   sk.softmax_grad_(copies[i], targets, lse, upstream, kernels), repeats),
             "logprobs": logprobs, "grad": sk.softmax_grad_(logits.clone(), targets, lse, upstream, kernels)}
     torch_run, triton_run = runs["torch"], runs["triton"]
     summary = {"rows": rows, "vocab": vocab, "bytes_per_logit": {"torch (counted)": 28, "triton": 6},
@@ -356,8 +358,9 @@ def softmax_kernels_bench(vocab: int = 151936, rows: int = 883, repeats: int = 2
 
 def norm_bench(width: int = 1536, rows: int = 16384, repeats: int = 20) -> dict:
     """RMSNorm forward + backward over [rows, width] bf16: Liger's Triton kernels against torch's own
-    `F.rms_norm` (the trainer's, fused_kernels.py): GPU ms per call (CUDA events, many calls queued), host us per call (a tiny tensor,
-    where launching is all there is), kernels per call, and the largest difference from HF's float32 formula."""
+    `F.rms_norm` (the trainer's, fused_kernels.py): GPU ms per call (CUDA events, many calls queued), host us per call
+    (a tiny tensor, where launching is all there is), kernels per call, and the largest difference from HF's
+    float32 formula."""
     from liger_kernel.transformers.functional import liger_rms_norm
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
@@ -379,7 +382,7 @@ def norm_bench(width: int = 1536, rows: int = 16384, repeats: int = 20) -> dict:
         upstream = torch.randn(rows, width, device=DEVICE, generator=g).bfloat16()
         tiny = torch.randn(8, width, device=DEVICE).bfloat16().requires_grad_()
         tiny_up = torch.randn(8, width, device=DEVICE).bfloat16()
-        gpu_ms = cuda_ms(lambda i: step(norm, x, upstream), repeats)
+        gpu_ms = cuda_ms(lambda i, norm=norm, x=x, upstream=upstream: step(norm, x, upstream), repeats)
         step(norm, tiny, tiny_up)  # a new shape: Triton specialises (compiles) on its first call
         sync()
         t0 = time.perf_counter()

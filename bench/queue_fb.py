@@ -119,7 +119,7 @@ class TimedTrainer(TorchTrainer):
         self.spans: list[tuple[float, float]] = []
         self.activity: list[Activity] = []  # what else the process did during each call (GC, other threads)
 
-    def forward(self, request, backward):  # noqa: ANN001, ANN201 - TorchTrainer's signature
+    def forward(self, request, backward):  # TorchTrainer's signature
         started = time.time()
         activity = Activity()
         try:
@@ -386,7 +386,8 @@ def table(report: dict) -> str:
     lines = [title, "", "| path | ms | ratio |", "| --- | --- | --- |",
              f"| in process: TorchTrainer.forward(request, backward=True) | {report['in_process_ms']:,.1f} | 1.000 |",
              f"| in process, after the process idled as long as the queued call's lead-in | "
-             f"{report['in_process_after_idle_ms']:,.1f} | {report['in_process_after_idle_ms'] / report['in_process_ms']:.3f} |",
+             f"{report['in_process_after_idle_ms']:,.1f} | "
+             f"{report['in_process_after_idle_ms'] / report['in_process_ms']:.3f} |",
              queue, outside, "", segments, "", "| segment | median ms | min ms |", "| --- | --- | --- |"]
     for key, label in SEGMENTS:
         lines.append(f"| {label} | {report['segments_ms'][key]:,.1f} | {report['segments_min_ms'][key]:,.1f} |")

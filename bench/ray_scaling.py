@@ -91,7 +91,8 @@ def alternate(rounds: int, paths: dict[str, Callable[[], float]]) -> dict[str, l
 def sampling_row(args, base: Direct, ray_rt: Direct, replicas: int) -> dict:
     requests = workload(args)
     base.sample(requests[:4]), ray_rt.sample(requests[:4])  # warm-up: first batch shapes, Ray's first streams
-    rounds = alternate(args.repeats, {IN_PROCESS: lambda: base.sample(requests), "ray": lambda: ray_rt.sample(requests)})
+    rounds = alternate(args.repeats, {IN_PROCESS: lambda: base.sample(requests),
+                                      "ray": lambda: ray_rt.sample(requests)})
     return {"replicas": replicas, "tokens_per_s": statistics.median(rounds["ray"]),
             "in_process_tokens_per_s": statistics.median(rounds[IN_PROCESS]),
             "ratio_to_in_process": statistics.median(r / b for r, b in zip(rounds["ray"], rounds[IN_PROCESS])),
@@ -102,7 +103,7 @@ def sync_rows(args, base: Direct, ray_rt: Direct, replicas: int) -> list[dict]:
     rows = []
     trainer = ray_rt.rt.trainer
     for model_id, base_model, rank in sync_cases(args):
-        def over(transport: str) -> Callable[[], float]:
+        def over(transport: str, model_id: str = model_id) -> Callable[[], float]:
             def sync() -> float:
                 trainer.transport = transport  # what its exports are: the engine facade takes either
                 ms = ray_rt.sync_ms(None, model_id)
@@ -112,7 +113,7 @@ def sync_rows(args, base: Direct, ray_rt: Direct, replicas: int) -> list[dict]:
                 return ms
             return sync
 
-        times = alternate(args.syncs, {IN_PROCESS: lambda: base.sync_ms(None, model_id),
+        times = alternate(args.syncs, {IN_PROCESS: lambda model_id=model_id: base.sync_ms(None, model_id),
                                        **{t: over(t) for t in args.transports.split(",")}})
         for transport in args.transports.split(","):
             rows.append({"replicas": replicas, "base_model": base_model, "lora_rank": rank,
@@ -197,8 +198,8 @@ def plot(sampling: list[dict], syncs: list[dict], title: str, path: Path) -> Non
                       key=lambda r: r["payload_bytes"])
         right.plot([r["payload_bytes"] / 2**20 for r in mine], [r["ms"] for r in mine], marker="o",
                    label=f"Ray, {replicas} replica(s), {transport}")
-    base = sorted((r for r in syncs if (r["replicas"], r["transport"]) == (syncs[0]["replicas"], syncs[0]["transport"])),
-                  key=lambda r: r["payload_bytes"])
+    first = (syncs[0]["replicas"], syncs[0]["transport"])
+    base = sorted((r for r in syncs if (r["replicas"], r["transport"]) == first), key=lambda r: r["payload_bytes"])
     right.plot([r["payload_bytes"] / 2**20 for r in base], [r["in_process_ms"] for r in base], marker="s",
                linestyle=":", label="in process")
     right.set(xlabel="adapter payload (MiB)", ylabel="sync ms (median)", xscale="log", yscale="log",
@@ -214,7 +215,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--replicas", help="engine replica counts (bundles), default 1, 2, 4, ... up to the GPUs")
-    parser.add_argument("--ray-address", default="", help="join this Ray cluster (auto: this host's); default: start one")
+    parser.add_argument("--ray-address", default="",
+                        help="join this Ray cluster (auto: this host's); default: start one")
     parser.add_argument("--engine", choices=["auto", "vllm", "torch"])
     parser.add_argument("--model", help="the sampled model's base")
     parser.add_argument("--dtype")

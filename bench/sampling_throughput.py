@@ -264,7 +264,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    parser.add_argument("--cuda-graphs", action="store_true", help="vLLM with CUDA graphs (TINKERQ_VLLM_ENFORCE_EAGER=0)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="vLLM with CUDA graphs (TINKERQ_VLLM_ENFORCE_EAGER=0)")
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--no-named-syncs", dest="named_syncs", action="store_false",
                         help="skip persisted syncs (they write a merged checkpoint: minutes for a 0.5B+ model)")

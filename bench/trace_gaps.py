@@ -6,8 +6,9 @@ A pass is launch-bound where the GPU finishes kernels faster than the CPU issues
 `torch.profiler` exports (`prof.export_chrome_trace`), merges every kernel, memcpy and memset into the GPU's busy
 time, and for each gap of at least --min-us microseconds finds the launch of the kernel that ended it (the CUDA
 runtime or driver call with the same correlation id: cuBLAS and Triton launch through the driver) and the CPU ops
-around that launch (innermost first). Gaps are summed by that op chain and by thread (the forward runs on the main thread, the backward on autograd's device thread).
-Prints the busy fraction and the top chains; `summary()` returns the same as a dict.
+around that launch (innermost first). Gaps are summed by that op chain and by thread (the forward runs on the main
+thread, the backward on autograd's device thread). Prints the busy fraction and the top chains; `summary()` returns the
+same as a dict.
 """
 
 import argparse

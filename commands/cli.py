@@ -2,9 +2,12 @@
 
 import logging
 import os
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
+
+if TYPE_CHECKING:  # the CLI imports the worker only when a command runs it
+    from worker.runtime.base import Engine
 
 app = typer.Typer(help="Ordered sample and weight-sync jobs for RL post-training, through Redis and RQ.",
                   no_args_is_help=True)
@@ -63,7 +66,7 @@ def worker(
         _close(loaded.engine)
 
 
-def _close(engine, timeout_s: float = 30.0) -> None:
+def _close(engine: "Engine", timeout_s: float = 30.0) -> None:
     """Release the engine's processes (vLLM's, Ray's actors and cluster), bounded: a wedged one must not keep
     the worker from exiting."""
     import threading

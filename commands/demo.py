@@ -16,6 +16,7 @@ from schemas import (
     Datum,
     ForwardBackwardRequest,
     OptimStepRequest,
+    Result,
     SampleRequest,
     SamplingParams,
     WeightSyncRequest,
@@ -28,7 +29,7 @@ def start_worker(redis_url: str, runtime: str, workdir: Path) -> TinkerqProc:
     return TinkerqProc(["worker", "--redis-url", redis_url], env, workdir)
 
 
-def wait_ok(producer: Producer, request_id: str, timeout: float = 600):
+def wait_ok(producer: Producer, request_id: str, timeout: float = 600) -> Result:
     """The request's output; raises if it failed or did not come within `timeout` seconds."""
     result = producer.wait(request_id, timeout)
     if result is None:

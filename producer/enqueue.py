@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import to_json
 from redis import Redis
+from redis.client import Pipeline
 from redis.exceptions import NoScriptError, WatchError
 from rq import Queue
 
@@ -222,7 +223,7 @@ class Producer:
                               item.wver, item.rid, keys.request_key(""))
             return reads.execute()
 
-    def _submit_batch(self, pipe, items: list[_Item | Rejected], atomic: bool) -> list[Ticket | Rejected]:
+    def _submit_batch(self, pipe: Pipeline, items: list[_Item | Rejected], atomic: bool) -> list[Ticket | Rejected]:
         live = [item for item in items if isinstance(item, _Item)]
         if not live:
             return list(items)  # all refused already
@@ -280,7 +281,7 @@ class Producer:
         batch.fresh.append((request, ticket, item))
         return ticket
 
-    def _enqueue(self, pipe, request: Request, ticket: Ticket, item: _Item) -> None:
+    def _enqueue(self, pipe: Pipeline, request: Request, ticket: Ticket, item: _Item) -> None:
         self._record(pipe, request, ticket, item.digest)
         # The payload as encoded for the digest, unless the version stamp changed the request since
         payload = EncodedPayload(item.body) if request is item.request else request.model_dump(mode="json")
@@ -317,7 +318,7 @@ class Producer:
             return request, request.weights_version
         return request, None
 
-    def _record(self, pipe, request: Request, ticket: Ticket, body_digest: str) -> None:
+    def _record(self, pipe: Pipeline, request: Request, ticket: Ticket, body_digest: str) -> None:
         rid = ticket.request_id
         record = {
             "kind": request.kind,

@@ -43,10 +43,12 @@ from schemas.results import (
 
 __all__ = [
     "ID_PATTERN", "MODEL_ID_PATTERN", "is_request_id", "new_request_id", "LimitExceeded", "Limits",
-    "AdamParams", "CreateCustomLossRequest", "CreateModelRequest", "CustomLoss", "DeleteCheckpointRequest", "Datum", "ForwardBackwardRequest", "ForwardRequest",
+    "AdamParams", "CreateCustomLossRequest", "CreateModelRequest", "CustomLoss", "DeleteCheckpointRequest", "Datum",
+    "ForwardBackwardRequest", "ForwardRequest",
     "LoadStateRequest", "LoraConfig", "OptimStepRequest", "Request", "SampleRequest",
     "SamplingParams", "SaveStateRequest", "WeightSyncRequest", "parse_request", "seq_id_of",
-    "CheckpointRecord", "CreateCustomLossOutput", "DeleteCheckpointOutput", "CreateModelOutput", "ErrorResponse", "ForwardBackwardOutput", "GeneratedSequence",
+    "CheckpointRecord", "CreateCustomLossOutput", "DeleteCheckpointOutput", "CreateModelOutput", "ErrorResponse",
+    "ForwardBackwardOutput", "GeneratedSequence",
     "LoadStateOutput", "OptimStepOutput", "RecordedSequence", "Result", "SampleOutput", "SaveStateOutput",
     "TopkLogprobs", "WeightSyncOutput", "parse_result",
 ]

@@ -54,7 +54,7 @@ def burst_worker(connection: Redis, config: QueueConfig, tmp_path: Path, **runti
     return WorkerProcess(connection, rt, config)
 
 
-def wait_until(predicate, timeout: float = 15.0, what: str = "condition") -> None:  # noqa: ANN001
+def wait_until(predicate, timeout: float = 15.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():

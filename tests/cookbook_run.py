@@ -15,8 +15,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
-import chz  # noqa: E402
-from tinker_cookbook.tokenizer_utils import register_tokenizer  # noqa: E402
+import chz
+from tinker_cookbook.tokenizer_utils import register_tokenizer
 
 
 def main(argv: list[str]) -> None:

@@ -64,7 +64,7 @@ def held_writes(config: RuntimeConfig) -> Runtime:
     folder = Path(os.environ[HOLD_WRITES])
     capture = runtime.trainer.durable_writer
 
-    def durable_writer(model_id, snapshots):  # noqa: ANN001, ANN202
+    def durable_writer(model_id, snapshots):
         write = capture(model_id, snapshots)
 
         def held(name: str) -> str:

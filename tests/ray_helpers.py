@@ -94,7 +94,7 @@ def steps_through_a_kill(local, distributed, steps: list[tuple[ForwardBackwardRe
     for k, (fb, opt) in enumerate(steps):
         expected = local.execute(fb), local.execute(opt)
         outcome: dict = {}
-        call = threading.Thread(target=lambda: outcome.update(fb=distributed.execute(fb)))
+        call = threading.Thread(target=lambda outcome=outcome, fb=fb: outcome.update(fb=distributed.execute(fb)))
         call.start()
         if k == 0:
             os.kill(pid, signal.SIGKILL)

@@ -261,8 +261,8 @@ def _many_pollers(api, drain, r):
     assert gets <= bound, f"{gets} GETs for 16 pollers in {elapsed:.1f} s (at most {bound})"
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False)
-                    | st.text(max_size=20),
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70)
+                    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner,
                                                                                 max_size=4), max_leaves=12)
 ENDPOINTS = ["session_heartbeat", "create_model", "get_info", "optim_step", "save_weights_for_sampler",

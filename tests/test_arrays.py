@@ -27,14 +27,16 @@ def test_lists_numpy_and_packed_forms_give_the_same_datum():
     for datum in (as_numpy, as_packed):
         assert np.array_equal(datum.model_input, as_lists.model_input)
         for name, values in as_lists.loss_fn_inputs.items():
-            assert np.array_equal(datum.loss_fn_inputs[name], values) and datum.loss_fn_inputs[name].dtype == values.dtype
+            assert (np.array_equal(datum.loss_fn_inputs[name], values)
+                    and datum.loss_fn_inputs[name].dtype == values.dtype)
 
 
 @pytest.mark.parametrize("dtype", ["int32", "int64", "float32", "float64"])
 def test_a_request_round_trips_through_its_json_with_each_arrays_dtype_and_values(dtype):
     values = np.array([0, 1, 7, 151_935], dtype=dtype)
     inputs = {"target_tokens": values, "weights": np.array([1e-7, -2.5, 3.25, 1e30], dtype="float32")}
-    request = ForwardBackwardRequest(model_id="m", data=[Datum(model_input=values.astype("int32"), loss_fn_inputs=inputs)])
+    request = ForwardBackwardRequest(model_id="m",
+                                     data=[Datum(model_input=values.astype("int32"), loss_fn_inputs=inputs)])
     again = parse_request(json.loads(request.model_dump_json()))
     got = again.data[0]
     assert got.model_input.dtype == np.int32 and np.array_equal(got.model_input, values)

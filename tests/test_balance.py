@@ -84,7 +84,8 @@ def test_auto_workers_split_the_shards_and_rebalance_as_they_join_die_and_leave(
              if not (isinstance(out, SampleOutput) and out.weights_version == ticket.version
                      and {t for s in out.sequences for t in s.tokens} == {ticket.version})]
     assert not wrong, (f"{len(wrong)} of {len(served)} samples not served on their pinned version "
-                       f"(request, pinned, result): {wrong[:5]}\n" + "\n".join(w.output()[-3000:] for w in (second, third)))
+                       f"(request, pinned, result): {wrong[:5]}\n"
+                       + "\n".join(w.output()[-3000:] for w in (second, third)))
     second.kill(signal.SIGTERM)  # a clean stop releases its shards at once
     assert second.proc.returncode == 0, second.output()
     settle(r, config, [4], "the last worker holding every shard", [third])

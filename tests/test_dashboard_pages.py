@@ -27,7 +27,8 @@ PICKLED = re.compile(r"\\x80\\x0[2-5]|gASV|b'\\x|\(dp0|c__builtin__|cpickle")
 
 def chromium() -> str:
     found = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert found, "Debian's chromium is needed to look at the dashboard: `make test` installs it (apt-get install chromium)"
+    assert found, ("Debian's chromium is needed to look at the dashboard: `make test` installs it "
+                   "(apt-get install chromium)")
     return found
 
 

@@ -86,7 +86,8 @@ def test_drain_checkpoints_releases_and_the_standby_carries_on(r, redis_url, con
     journal = Journal(r)
     assert journal.length(model) == 1 + 3 * steps and journal.checkpoint(model) is not None, first.output()
     assert "drained: 1 model(s) checkpointed" in first.output()
-    extra = producer.submit(SampleRequest(model_id=model, prompt_tokens=[1], sampling_params=SamplingParams(max_tokens=1)))
+    extra = producer.submit(SampleRequest(model_id=model, prompt_tokens=[1],
+                                          sampling_params=SamplingParams(max_tokens=1)))
     assert producer.wait(extra.request_id, 30).weights_version == steps
     assert f"model {model}: loading its checkpoint" in standby.output()
     assert "replaying journal entries 0.." not in standby.output()  # it did not start over from create_model

@@ -127,7 +127,8 @@ def test_a_model_rebuilt_from_its_journal_holds_the_same_tensors(r, config, tmp_
     tickets = [producer.submit(op) for op in ops]
     owner = burst_worker(r, config, tmp_path, runtime="torch")
     owner.run(burst=True, logging_level="WARNING")
-    assert all(producer.get(t.request_id).type != "error" for t in tickets), [producer.get(t.request_id) for t in tickets]
+    assert all(producer.get(t.request_id).type != "error" for t in tickets), [
+        producer.get(t.request_id) for t in tickets]
     original = owner.dispatcher.runtime
     journal = Journal(r)
     assert journal.length(model) == 1 + 3 * 3 + 1
@@ -206,7 +207,7 @@ def test_a_checkpoint_is_written_off_the_step_and_trims_the_journal_only_once_th
     gate, entered, writers, problems = threading.Event(), threading.Event(), [], []
     real_write = trainer_module.write_archive
 
-    def held_write(source, target, compress=True):  # noqa: ANN001, ANN202 - the real write, once the test allows
+    def held_write(source, target, compress=True):  # the real write, once the test allows
         writers.append(threading.current_thread())
         entered.set()
         gate.wait(60)
@@ -252,7 +253,8 @@ def test_a_checkpoint_is_written_off_the_step_and_trims_the_journal_only_once_th
     shard = producer.shard_of(model)
     assert fence.acquire([shard]) == [shard]
     # an older checkpoint (entries up to 4) recorded after it would drop nothing and replace nothing
-    assert not fence.trim_journal(shard, journal.key(model), journal.base_key(model), 4, checkpoint.model_dump_json(), 1)
+    assert not fence.trim_journal(shard, journal.key(model), journal.base_key(model), 4,
+                                  checkpoint.model_dump_json(), 1)
     fence.release()
 
     fresh = torch_runtime(tmp_path)

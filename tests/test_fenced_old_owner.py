@@ -217,7 +217,8 @@ def test_a_woken_old_owner_takes_no_parked_op_that_fell_due_while_it_slept(serve
                            for model in MODELS[:2])  # seq 1 of neither is ever queued
         parked = {ready.request_id: MODELS[0], expiring.request_id: MODELS[1]}
         for rid, model in parked.items():
-            wait_until(lambda: r.zscore(keys.held_key(model), rid) is not None, 30, f"{rid} to park")
+            wait_until(lambda model=model, rid=rid: r.zscore(keys.held_key(model), rid) is not None, 30,
+                       f"{rid} to park")
         deadlines, member = keys.held_deadlines_key(expiring.shard), f"{expiring.request_id}|{MODELS[1]}"
         deadline = r.zscore(deadlines, member)
         before = leases(r)

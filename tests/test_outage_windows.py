@@ -29,8 +29,8 @@ class FailOnce:
         self.count = 0
         self.failed_in: str | None = None
 
-    def wrap(self, send):  # noqa: ANN001, ANN202
-        def sent(client, *args, **kwargs):  # noqa: ANN001, ANN202
+    def wrap(self, send):
+        def sent(client, *args, **kwargs):
             if threading.current_thread() is not threading.main_thread() or self.failed_in is not None:
                 return send(client, *args, **kwargs)
             self.count += 1
@@ -59,7 +59,7 @@ def submit_run(producer: Producer) -> list[str]:
     return [producer.submit(request).request_id for request in requests]
 
 
-def commands_of_a_clean_run(r, config, tmp_path, monkeypatch) -> int:  # noqa: ANN001
+def commands_of_a_clean_run(r, config, tmp_path, monkeypatch) -> int:
     producer = Producer(r, config)
     producer.submit(CreateModelRequest(model_id=M, base_model="ref"))
     submit_run(producer)

@@ -81,7 +81,7 @@ def test_a_standby_warms_the_named_bases_before_it_owns_a_shard(r: Redis, tmp_pa
 
 
 def test_auto_warms_the_bases_of_the_models_on_the_shards_it_may_take(r: Redis, tmp_path: Path, config: QueueConfig,
-                                                                      start_worker) -> None:  # noqa: ANN001
+                                                                      start_worker) -> None:
     """The default: a model created on a shard by its owner (a real worker process) makes a standby of that shard
     warm the model's base, though the model was created after the standby started."""
     assert config.preload_bases == "auto"

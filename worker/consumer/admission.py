@@ -76,8 +76,8 @@ class Admission:
         return self.judge_payload(job.id, shard, job.args[0])
 
     def judge_payload(self, rid: str, shard: int, payload: object) -> Verdict:
-        """Judge a request payload read from Redis (a job's argument, a parked training op: worker/serving/held.py) for the
-        shard it was found on: its schema, `Limits`, and its model's routing."""
+        """Judge a request payload read from Redis (a job's argument, a parked training op: worker/serving/held.py) for
+        the shard it was found on: its schema, `Limits`, and its model's routing."""
         try:
             return self._payload(rid, shard, payload)
         except Exception as exc:  # noqa: BLE001 - whatever a payload does to the validators, it is refused

@@ -6,8 +6,8 @@ registry, or the shard's batched list (samples taken with a job); those without 
 the queue (RQ's own cleanup would fail them or append them at the tail, out of order). Running it twice puts
 nothing in twice: an id already queued is moved, not copied.
 
-Those records are untrusted input, as the jobs are (worker/consumer/admission.py): anyone who can write to Redis can write
-them, and a recovery that raised would stop this worker at takeover, and every later owner of the shard the same
+Those records are untrusted input, as the jobs are (worker/consumer/admission.py): anyone who can write to Redis can
+write them, and a recovery that raised would stop this worker at takeover, and every later owner of the shard the same
 way. So an entry that names no request is dropped; a request whose record cannot be read (not a hash, a `created`
 that is no time) is refused with an ErrorResponse, as admission refuses a forged job (its place in the order is
 unknown, so it is not run out of it); an id whose job hash is gone or unloadable goes back to the queue like any

@@ -11,8 +11,8 @@
 - Every failure path ends with an ErrorResponse stored for the request.
 - The idle loop ticks every `tick_s`, which lets the worker answer held ops whose deadline passed.
 - A queued id whose job hash is gone is answered too (RQ would drop it without a trace).
-- The pop is worker/consumer/claim.py's: a job moves from its queue to the queue's intermediate list (the claimed list)
-  in one step that checks the lease, and leaves that list only once it ended (or went back to the queue head).
+- The pop is worker/consumer/claim.py's: a job moves from its queue to the queue's intermediate list (the claimed
+  list) in one step that checks the lease, and leaves that list only once it ended (or went back to the queue head).
 - A Redis outage anywhere in the loop ends `work()` with `outage` set, never a crash: the job in hand stays in
   flight, or goes back to its queue when the lease was lost, and is never marked FAILED for it. WorkerProcess
   waits for Redis, recovers and starts a new incarnation.
@@ -38,8 +38,10 @@ import zlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from redis import Redis
 from rq import Queue, SimpleWorker
 from rq.exceptions import StopRequested
+from rq.executions import Execution
 from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job
 from rq.utils import now
@@ -141,8 +143,8 @@ class AllowlistJob(QueuedJob):
         return super().perform()
 
     def _execute(self) -> dict[str, Any]:
-        # The worker has judged the job and parsed its payload (worker/consumer/admission.py); the context takes the parsed
-        # request from the job's verdict.
+        # The worker has judged the job and parsed its payload (worker/consumer/admission.py); the context takes the
+        # parsed request from the job's verdict.
         if self.context is None:
             raise ForbiddenJob("the job was not handed a context by the worker")
         return self.context.handle(self)
@@ -175,8 +177,8 @@ TRANSIENT: tuple[type[Exception], ...] = (FencedOut, RedisGone, *REDIS_DOWN)
 
 
 class ClaimedList(IntermediateQueue):
-    """A shard queue's intermediate list: the claimed jobs (worker/consumer/claim.py), emptied by the claim (which takes its
-    head first) and by recovery, which read its entries as untrusted. RQ's own cleanup of it is off: it decodes and
+    """A shard queue's intermediate list: the claimed jobs (worker/consumer/claim.py), emptied by the claim (which takes
+    its head first) and by recovery, which read its entries as untrusted. RQ's own cleanup of it is off: it decodes and
     loads every entry (a non-UTF-8 one, or an id whose hash is of another type, ended the worker's loop) and marks a
     job it has seen there for a minute FAILED, with no ErrorResponse."""
 
@@ -204,7 +206,7 @@ class ShardQueue(Queue):
     # RQ's dequeue skips an id without a job hash in silence, and its client would wait for a result
     # forever. Raised with job_id and queue attached, it takes the path of an unloadable job instead.
     @classmethod
-    def _fetch_dequeued_job(cls, connection, queue_key: str, job_id: str, **kwargs):
+    def _fetch_dequeued_job(cls, connection: Redis, queue_key: str, job_id: str, **kwargs: Any) -> Job:
         fetched = super()._fetch_dequeued_job(connection, queue_key, job_id, **kwargs)
         if fetched is None:
             lost = LostJob(f"job {job_id} was queued but its data is gone from Redis (deleted or evicted)")
@@ -215,10 +217,10 @@ class ShardQueue(Queue):
 
     # Dependents (the `rq:job:<id>:dependents` set, which anyone can write) are never released: tinkerq orders
     # jobs by queue position alone. RQ calls these after a job succeeds or fails.
-    def move_dependents_to_ready(self, job, pipeline=None, exclude_job_id=None, refresh_job_status=True):  # noqa: ANN001, ANN201
+    def move_dependents_to_ready(self, job, pipeline=None, exclude_job_id=None, refresh_job_status=True):  # noqa: ANN001, ANN201 - RQ's signature
         return {}
 
-    def enqueue_dependents(self, job, exclude_job_id=None, refresh_job_status=True):  # noqa: ANN001, ANN201
+    def enqueue_dependents(self, job, exclude_job_id=None, refresh_job_status=True):  # noqa: ANN001, ANN201 - RQ's signature
         return {}
 
 
@@ -242,7 +244,7 @@ class ShardWorker(SimpleWorker):
 
     def __init__(
         self,
-        *args,
+        *args: Any,
         claimer: Claimer,
         tick_s: int = 1,
         on_tick: Callable[[], None] | None = None,
@@ -250,7 +252,7 @@ class ShardWorker(SimpleWorker):
         admit: Callable[[Job, str], Verdict] | None = None,
         context: JobContext | None = None,
         on_signal: Callable[[int], None] | None = None,
-        **kwargs,
+        **kwargs: Any,
     ) -> None:
         self.tick_s = tick_s  # read by RQ's __init__ (connection timeout)
         self.claimer = claimer
@@ -298,7 +300,7 @@ class ShardWorker(SimpleWorker):
         except (*REDIS_DOWN, RedisGone) as exc:
             log.warning("worker %s: Redis went away (%s); this incarnation stops", self.name, exc)
             self.outage = exc
-        except Exception:  # noqa: BLE001 - as RQ's loop: logged, the loop ends, the worker process decides
+        except Exception:  # as RQ's loop: logged, the loop ends, the worker process decides
             log.exception("worker %s: unhandled error in its loop; it stops", self.name)
         finally:
             self.teardown()
@@ -331,7 +333,7 @@ class ShardWorker(SimpleWorker):
             return
         super().set_state(state, pipeline)
 
-    def handle_job_success(self, job: Job, queue, started_job_registry, execution) -> None:  # noqa: ANN001
+    def handle_job_success(self, job: Job, queue, started_job_registry, execution) -> None:  # noqa: ANN001 - RQ's signature
         """RQ's, less what tinkerq's jobs never have (dependents: ShardQueue releases none; repeats and rate-limit
         slots: their fields are never loaded): without the WATCH of the job's dependents, one round trip."""
         with self.connection.pipeline() as pipeline:
@@ -357,7 +359,7 @@ class ShardWorker(SimpleWorker):
         if self.on_tick is not None:
             try:
                 self.on_tick()
-            except Exception:  # noqa: BLE001 - a failed tick must not kill the loop
+            except Exception:  # a failed tick must not kill the loop
                 log.exception("worker tick failed")
         return super().should_run_maintenance_tasks
 
@@ -369,7 +371,7 @@ class ShardWorker(SimpleWorker):
             super().run_maintenance_tasks()
         except REDIS_DOWN:
             raise
-        except Exception:  # noqa: BLE001 - whatever a registry holds
+        except Exception:  # whatever a registry holds
             log.exception("worker %s: RQ's registry maintenance failed; skipped until its next round", self.name)
             self.last_cleaned_at = now()
 
@@ -381,7 +383,7 @@ class ShardWorker(SimpleWorker):
         # ended (execute_job), whatever the number of queues: the claimed list does not depend on RQ's TTLs.
         super().prepare_job_execution(job, remove_from_intermediate_queue=False)
 
-    def execute_job(self, job: Job, queue) -> None:
+    def execute_job(self, job: Job, queue: Queue) -> None:
         fenced = isinstance(self.connection, FencedRedis)
         if fenced:  # RQ's writes for this job, from here to its end, only under the shard's lease
             self.connection.shard = shard_of_queue(queue.name)
@@ -414,20 +416,20 @@ class ShardWorker(SimpleWorker):
         self.claimer.fence.forget([shard])
         self.stop("lost leases")
 
-    def handle_exception(self, job: Job, *exc_info) -> None:
+    def handle_exception(self, job: Job, *exc_info: Any) -> None:
         if isinstance(exc_info[1], TRANSIENT):
             job.transient = exc_info[1]  # no error result, and (handle_job_failure) no FAILED
             return
         super().handle_exception(job, *exc_info)
 
-    def handle_execution_ended(self, job: Job, queue, heartbeat_ttl: int) -> None:  # noqa: ANN001
+    def handle_execution_ended(self, job: Job, queue, heartbeat_ttl: int) -> None:  # noqa: ANN001 - RQ's signature
         # RQ writes the job's heartbeat here, unfenced, even for a job that failed because its lease was lost.
         job.ended_at = now()
         if not isinstance(sys.exc_info()[1], TRANSIENT):
             job.heartbeat(now(), heartbeat_ttl)
 
-    def handle_job_failure(self, job: Job, queue, started_job_registry=None, exc_string="",  # noqa: ANN001
-                           execution=None) -> None:
+    def handle_job_failure(self, job: Job, queue, started_job_registry=None, exc_string="",  # noqa: ANN001 - RQ's signature
+                           execution: Execution | None = None) -> None:
         if job.transient is None:
             return super().handle_job_failure(job, queue, started_job_registry, exc_string, execution)
         # Redis is away: the job stays in flight; recovery requeues it once Redis is back. Lease lost: the job, its
@@ -447,7 +449,7 @@ class ShardWorker(SimpleWorker):
                         log.warning("worker %s: the lease on %s was lost; its job's heartbeat stops", self.name,
                                     job.origin)
 
-    def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):  # noqa: ANN001, ANN201
+    def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):  # noqa: ANN001, ANN201 - RQ's signature
         """Claim the next job (worker/consumer/claim.py) instead of RQ's pop. A job that cannot be loaded is answered, a
         queue entry that names no request is dropped, and every job returned carries the worker's verdict."""
         self.set_state(WorkerStatus.IDLE)
@@ -491,7 +493,7 @@ class ShardWorker(SimpleWorker):
             # RQ tags every fetch error with the job id, these too: neither is the job's fault. A stop signal
             # raises StopRequested while the worker is not yet busy; the claimed job stays in flight for recovery.
             raise
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             if getattr(exc, "job_id", None) is None:
                 raise
             # The job hash exists but RQ cannot even load it: answer it and move on.

@@ -5,8 +5,8 @@ are stored, its owner captures the model's whole state (adapter, AdamW state, Lo
 live snapshot's weights, the versions it synced and the archives of the persisted ones) and writes it to the
 checkpoint root that every worker reads (the trainer writes it under a temp name and renames it), then records it as
 the journal's base and drops the entries it covers, in one fenced script (Fence.trim_journal). A restore loads it
-and replays what follows (worker/durability/restore.py). A checkpoint that fails to write changes nothing: the journal keeps
-its entries and the next step tries again.
+and replays what follows (worker/durability/restore.py). A checkpoint that fails to write changes nothing: the journal
+keeps its entries and the next step tries again.
 
 Asynchronous (TINKERQ_DURABLE_ASYNC, the default, where the trainer can copy its state aside): the step copies the
 tensors to host memory (Runtime.capture) and returns; a side thread writes the file and only then trims the journal,
@@ -80,7 +80,7 @@ class Checkpointer:
         steps = self.journal.steps_since_checkpoint(model_id)
         try:
             pending = self.runtime.capture(model_id)
-        except Exception:  # noqa: BLE001 - a failed copy must not fail the step, whose result is stored
+        except Exception:  # a failed copy must not fail the step, whose result is stored
             log.exception("model %s: durable checkpoint failed; its journal keeps every entry", model_id)
             return None
         if pending is None:
@@ -101,7 +101,7 @@ class Checkpointer:
         """Write the captured state, then record it and trim the journal (never before the file is whole)."""
         try:
             made = pending.write(name)
-        except Exception:  # noqa: BLE001 - a disk full or a bad path: the journal keeps every entry
+        except Exception:  # a disk full or a bad path: the journal keeps every entry
             log.exception("model %s: durable checkpoint failed; its journal keeps every entry", model_id)
             return None
         if made is None:
@@ -111,7 +111,7 @@ class Checkpointer:
                                                length, made.model_dump_json(), steps)
         except FencedOut:
             recorded = False
-        except Exception:  # noqa: BLE001 - on the side thread, Redis gone for good: recorded or not, unknown
+        except Exception:  # on the side thread, Redis gone for good: recorded or not, unknown
             log.exception("model %s: checkpoint at entry %d may not be recorded; its file %s is kept", model_id,
                           length, made.path)
             return None  # a file too many costs disk; deleting one that was recorded loses the model

@@ -1,12 +1,12 @@
 """A model's training journal in Redis: the state-changing ops whose results were stored, in the order they ran.
 
-Any worker can rebuild a model from it (worker/durability/restore.py). Entries are appended only by the fenced write that
-stores the op's result (Fence.put_result_journaled), so an acknowledged op is always in the journal and an op
+Any worker can rebuild a model from it (worker/durability/restore.py). Entries are appended only by the fenced write
+that stores the op's result (Fence.put_result_journaled), so an acknowledged op is always in the journal and an op
 whose result was never stored never is. Each entry is the request's own JSON (schemas' model_dump_json), with
 whatever the worker chose to make it replay the same way (a create_model's LoRA seed).
 
-A durable checkpoint (worker/durability/checkpointer.py) replaces the entries before it: the journal's base records how many
-were trimmed and the checkpoint that holds their effect, so positions count from the model's first entry ever and a
+A durable checkpoint (worker/durability/checkpointer.py) replaces the entries before it: the journal's base records how
+many were trimmed and the checkpoint that holds their effect, so positions count from the model's first entry ever and a
 rebuild loads the checkpoint, then replays what follows.
 """
 

@@ -4,8 +4,8 @@ A worker that takes over a shard meets models whose state lived in the dead owne
 (worker/durability/journal.py) holds every op whose result was stored since the model's last durable checkpoint
 (worker/durability/checkpointer.py), so loading that checkpoint (or starting from create_model when there is none) and
 replaying the entries gives the same adapter, optimizer, pending gradients and weight versions: ops on the CPU in
-float32 are deterministic, and create_model's LoRA seed is journaled. This worker tracks how much of each journal its own
-copy reflects, so a copy that fell behind (the shard went elsewhere and came back) replays the tail, and one that
+float32 are deterministic, and create_model's LoRA seed is journaled. This worker tracks how much of each journal its
+own copy reflects, so a copy that fell behind (the shard went elsewhere and came back) replays the tail, and one that
 ran an op whose result it could not store (so the journal lacks it) is rebuilt from scratch.
 """
 

@@ -131,7 +131,7 @@ class EngineReplica:
             try:
                 self.engine.generate_stream(items, lambda key, result: results.put((key, result)))
                 results.put(_END)
-            except BaseException as exc:  # handed to the caller's thread, raised there
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread, raised there
                 results.put(exc)
 
         thread = threading.Thread(target=run, daemon=True)

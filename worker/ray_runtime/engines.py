@@ -8,6 +8,7 @@ before it serves or takes a sync again."""
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -46,7 +47,8 @@ def cost(request: SampleRequest) -> int:
 
 
 class RayEngine(Engine):
-    def __init__(self, replicas: list[ActorHandle], max_snapshots: int, group: GroupSync, on_close=None) -> None:
+    def __init__(self, replicas: list[ActorHandle], max_snapshots: int, group: GroupSync,
+                 on_close: Callable[[], None] | None = None) -> None:
         if not replicas:
             raise ValueError("a Ray engine needs at least one replica")
         self.replicas = replicas
@@ -130,7 +132,7 @@ class RayEngine(Engine):
         for i, ref in calls.items():
             try:
                 answers.append(self._get(ref))
-            except Exception as exc:  # noqa: BLE001 - sorted below
+            except Exception as exc:  # sorted below
                 if not (is_stale(exc) or replica_lost(exc)):
                     raise
                 self._resync(i)

@@ -12,20 +12,34 @@ import socket
 import time
 import uuid
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from schemas import CreateModelRequest, CustomLoss, ForwardRequest, LoadStateRequest, LoraConfig, OptimStepRequest
+from schemas import (
+    CreateModelOutput,
+    CreateModelRequest,
+    CustomLoss,
+    ForwardBackwardOutput,
+    ForwardRequest,
+    LoadStateOutput,
+    LoadStateRequest,
+    LoraConfig,
+    OptimStepOutput,
+    OptimStepRequest,
+)
 from tinkerq.config import RuntimeConfig
 from worker.ray_runtime import cluster, sharding
 from worker.ray_runtime.boundary import Failed, guarded
 from worker.ray_runtime.weight_group import GroupMember, WeightsMeta
 from worker.torch_runtime.host_copy import tree_to_host
 from worker.torch_runtime.lora_io import LoraWeights, merged_state
+
+if TYPE_CHECKING:  # imported where the actor builds it
+    from worker.torch_runtime.trainer import TorchTrainer
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +97,7 @@ class TrainerRank:
         self.weights = GroupMember(self.trainer.bases.device)  # rank 0's place in the weights group (weight_group.py)
         self._writers: dict[str, Any] = {}  # durable checkpoints copied aside, not yet written
 
-    def _new_trainer(self):
+    def _new_trainer(self) -> "TorchTrainer":
         from worker.torch_runtime.assembly import make_trainer
         from worker.torch_runtime.base_models import BaseModels
 
@@ -115,7 +129,8 @@ class TrainerRank:
         self._pending.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
-        if self.sharded:  # its bases are sharded over the group that is gone: start over, the caller hands it the models
+        # its bases are sharded over the group that is gone: start over, the caller hands it the models
+        if self.sharded:
             self.trainer = self._new_trainer()
             self.mesh = None
 
@@ -151,11 +166,11 @@ class TrainerRank:
         peak, tokens = self.trainer.peak_training_bytes(base_model, lora_rank)
         return peak + OWN_PROCESS_BYTES, tokens
 
-    def warm(self, base_model: str):
+    def warm(self, base_model: str) -> None | Failed:
         return guarded(lambda: self.trainer.warm(base_model))
 
-    def create_model(self, request: CreateModelRequest):
-        def create():
+    def create_model(self, request: CreateModelRequest) -> CreateModelOutput | Failed:
+        def create() -> CreateModelOutput:
             output = self.trainer.create_model(request)
             with torch.no_grad():  # rank 0's initialisation everywhere (an unseeded adapter differs per rank)
                 for p in self._params(request.model_id):
@@ -163,7 +178,8 @@ class TrainerRank:
             return output
         return guarded(create)
 
-    def forward(self, model_id: str, parts: list[ForwardRequest], backward: bool, fill: int = 0):
+    def forward(self, model_id: str, parts: list[ForwardRequest], backward: bool,
+                fill: int = 0) -> list[ForwardBackwardOutput] | Failed:
         """Each part of this rank's run (a micro-batch, or with one rank the whole request), as the in-process
         trainer runs it, then `fill` filler passes (a sharded base's ranks run in lockstep: sharding.py); with
         `backward`, each part's gradients are kept apart (pending) until `commit` sums every rank's in the request's
@@ -176,7 +192,7 @@ class TrainerRank:
         earlier = [p.grad for p in params]
         grads: list[list[torch.Tensor | None]] = []
 
-        def run():
+        def run() -> list[ForwardBackwardOutput]:
             outputs = []
             for request in parts + fillers:
                 for p in params:
@@ -241,7 +257,7 @@ class TrainerRank:
             # in process: this call's gradient, then the earlier ones added to it (packed_forward)
             p.grad = grad if p.grad is None else grad.add_(p.grad)
 
-    def optim_step(self, request: OptimStepRequest):
+    def optim_step(self, request: OptimStepRequest) -> OptimStepOutput | Failed:
         """Every rank holds the same gradients (commit), so each takes the same step."""
         return guarded(lambda: self.trainer.optim_step(request))
 
@@ -249,7 +265,7 @@ class TrainerRank:
         self._pending.pop(model_id, None)
         self.trainer.remove_model(model_id)
 
-    def export_weights(self, model_id: str):
+    def export_weights(self, model_id: str) -> LoraWeights:
         """The adapter's tensors on the host: returned into Ray's object store, where the engines read them."""
         return _host_copy(self.trainer.export_weights(model_id))
 
@@ -282,11 +298,11 @@ class TrainerRank:
         return token
 
     @ray.method(concurrency_group="io")
-    def durable_write(self, token: str, name: str):
+    def durable_write(self, token: str, name: str) -> str | Failed:
         """Write the copy `durable_copy` made (beside the training calls, which go on meanwhile); its path."""
         return guarded(lambda: self._writers.pop(token)(name))
 
-    def load_durable(self, model_id: str, path: str):
+    def load_durable(self, model_id: str, path: str) -> tuple[str, dict[int, LoraWeights]] | Failed:
         """Rebuild the model from the file; its base, and (rank 0's answer, on the host) the snapshots' weights."""
         def load() -> tuple[str, dict[int, LoraWeights]]:
             snapshots = self.trainer.load_durable(model_id, path)
@@ -296,10 +312,10 @@ class TrainerRank:
 
         return guarded(load)
 
-    def read_sampler_weights(self, path: str):
+    def read_sampler_weights(self, path: str) -> LoraWeights | Failed:
         return guarded(lambda: self.trainer.read_sampler_weights(path))
 
-    def save_sampler_weights(self, model_id: str, name: str):
+    def save_sampler_weights(self, model_id: str, name: str) -> str | None | Failed:
         """Rank 0 writes the archive; over a sharded base the other ranks take part in gathering its weights."""
         if self.rank == 0:
             return guarded(lambda: self.trainer.save_sampler_weights(model_id, name))
@@ -310,11 +326,11 @@ class TrainerRank:
 
         return guarded(gather)
 
-    def save_state(self, model_id: str, name: str, include_optimizer: bool):
+    def save_state(self, model_id: str, name: str, include_optimizer: bool) -> str | Failed:
         return guarded(lambda: self.trainer.save_state(model_id, name, include_optimizer))
 
-    def load_state(self, request: LoadStateRequest):
+    def load_state(self, request: LoadStateRequest) -> LoadStateOutput | Failed:
         return guarded(lambda: self.trainer.load_state(request))
 
-    def check_custom_loss(self, loss: CustomLoss):
+    def check_custom_loss(self, loss: CustomLoss) -> None | Failed:
         return guarded(lambda: self.trainer.check_custom_loss(loss))

@@ -68,7 +68,7 @@ class GroupSync:
                 or any(ready[i][1] != self.generation for i in grouped)):
             try:
                 self._form(grouped, backend)
-            except Exception:  # noqa: BLE001 - a member lost while joining: this sync leaves the group out
+            except Exception:  # a member lost while joining: this sync leaves the group out
                 log.exception("weights group: forming it with replicas %s failed", sorted(grouped))
                 return None
         return self.sender.send_staged.remote(self.generation)

@@ -146,7 +146,8 @@ class Engine(ABC):
 
     def warm(self, base_model: str) -> None:  # noqa: B027 - optional
         """Start what serving models of `base_model` needs (an engine, its weights) now rather than on first use:
-        a standby warms the bases it may take over (worker/shards/preload.py). DomainError for a base not served here."""
+        a standby warms the bases it may take over (worker/shards/preload.py). DomainError for a base not
+        served here."""
 
     def check_base(self, base_model: str) -> None:
         """Raise DomainError unless this engine can serve samples of the bare base model (no adapter)."""

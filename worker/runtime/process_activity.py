@@ -77,5 +77,6 @@ class Activity:
             self.busiest = (names.get(tid, str(tid)), used[tid])
 
     def describe(self) -> str:
-        return (f"{self.collections} gc collections ({self.gc_ms:.1f} ms), other threads' CPU {self.other_threads_cpu_ms:.0f} ms"
+        return (f"{self.collections} gc collections ({self.gc_ms:.1f} ms), "
+                f"other threads' CPU {self.other_threads_cpu_ms:.0f} ms"
                 f" (most: {self.busiest[0]} {self.busiest[1]:.0f} ms)")

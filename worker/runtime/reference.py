@@ -75,7 +75,8 @@ class ReferenceTrainer(Trainer):
         path = paths.checkpoint_file(self.root, model_id, kind, name, ".json")
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"model_id": model_id, "step": self.steps[model_id], "base_model": self.bases[model_id]}))
+        tmp.write_text(json.dumps({"model_id": model_id, "step": self.steps[model_id],
+                                   "base_model": self.bases[model_id]}))
         tmp.rename(path)
         return str(path)
 
@@ -89,7 +90,8 @@ class ReferenceTrainer(Trainer):
         path = paths.checkpoint_file(self.root, model_id, "durable", name, ".json")
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"model_id": model_id, "step": self.steps[model_id], "base_model": self.bases[model_id],
+        tmp.write_text(json.dumps({"model_id": model_id, "step": self.steps[model_id],
+                                   "base_model": self.bases[model_id],
                                    "pending_grads": self.pending_grads[model_id],
                                    "snapshots": {str(v): w for v, w in snapshots.items()}}))
         tmp.rename(path)

@@ -1,16 +1,21 @@
 """Serve requests against a trainer and an engine, enforcing snapshot and version semantics."""
 
+from typing import TypeVar
+
 from schemas import (
     CreateCustomLossOutput,
     CreateCustomLossRequest,
+    CreateModelOutput,
     CreateModelRequest,
     DeleteCheckpointOutput,
     DeleteCheckpointRequest,
     ErrorResponse,
     ForwardBackwardRequest,
     ForwardRequest,
+    LoadStateOutput,
     LoadStateRequest,
     OptimStepRequest,
+    Request,
     Result,
     SampleOutput,
     SampleRequest,
@@ -34,6 +39,9 @@ from worker.runtime.base import (
     unknown_model,
 )
 
+# The requests that name a model this worker must hold (`_known`), returned as they came.
+ModelOp = TypeVar("ModelOp", ForwardRequest, OptimStepRequest, SaveStateRequest, WeightSyncRequest)
+
 
 class Runtime:
     def __init__(self, trainer: Trainer, engine: Engine) -> None:
@@ -42,7 +50,7 @@ class Runtime:
         self._applied: dict[str, int] = {}
         self._paths: dict[tuple[str, int], str] = {}
 
-    def execute(self, request) -> Result:
+    def execute(self, request: Request) -> Result:
         """Run one non-sample request. Raises DomainError for anything the caller got wrong."""
         match request:
             case WeightSyncRequest():
@@ -77,12 +85,12 @@ class Runtime:
             return DeleteCheckpointOutput(checkpoint_id=request.checkpoint_id, deleted=False)
         return DeleteCheckpointOutput(checkpoint_id=request.checkpoint_id, deleted=True)
 
-    def _known(self, request):
+    def _known(self, request: ModelOp) -> ModelOp:
         if not self.trainer.has_model(request.model_id):
             raise unknown_model(request.model_id)
         return request
 
-    def _create(self, request: CreateModelRequest):
+    def _create(self, request: CreateModelRequest) -> CreateModelOutput:
         if self.trainer.has_model(request.model_id):
             raise DomainError(409, "model_exists", f"model {request.model_id!r} already exists")
         self.engine.check_create(request)
@@ -90,7 +98,7 @@ class Runtime:
         self._register(request.model_id)
         return output
 
-    def _load(self, request: LoadStateRequest):
+    def _load(self, request: LoadStateRequest) -> LoadStateOutput:
         output = self.trainer.load_state(request)
         self.engine.remove_model(request.model_id)
         self._register(request.model_id)
@@ -103,7 +111,8 @@ class Runtime:
 
     def warm(self, base_model: str) -> None:
         """Load the base into the trainer and start its engine before any model of it is served here, so a shard
-        taken over later pays neither (worker/shards/preload.py). DomainError for a base this deployment does not serve."""
+        taken over later pays neither (worker/shards/preload.py). DomainError for a base this deployment does
+        not serve."""
         self.trainer.warm(base_model)
         self.engine.warm(base_model)
 
@@ -114,9 +123,9 @@ class Runtime:
         self._applied.pop(model_id, None)
         self._paths = {key: path for key, path in self._paths.items() if key[0] != model_id}
 
-    def replay(self, request, snapshots: dict[int, str]) -> None:
-        """Run a journaled op again to rebuild the model (worker/durability/restore.py); its output is dropped. A persisted
-        sync is not saved again: its archive is recorded already (`snapshots`: version -> path)."""
+    def replay(self, request: Request, snapshots: dict[int, str]) -> None:
+        """Run a journaled op again to rebuild the model (worker/durability/restore.py); its output is dropped. A
+        persisted sync is not saved again: its archive is recorded already (`snapshots`: version -> path)."""
         if isinstance(request, WeightSyncRequest) and request.persist and request.version in snapshots:
             self.sync_weights(request, saved=snapshots[request.version])
         elif isinstance(request, CreateModelRequest):
@@ -125,8 +134,8 @@ class Runtime:
             self.execute(request)
 
     def checkpoint(self, model_id: str, name: str) -> DurableCheckpoint | None:
-        """Write the model's whole state, live snapshots included (worker/durability/checkpointer.py). None when this runtime
-        cannot: its trainer writes no durable state, or its engine cannot give a live snapshot back."""
+        """Write the model's whole state, live snapshots included (worker/durability/checkpointer.py). None when this
+        runtime cannot: its trainer writes no durable state, or its engine cannot give a live snapshot back."""
         pending = self.capture(model_id)
         return None if pending is None else pending.write(name)
 
@@ -171,7 +180,8 @@ class Runtime:
             raise DomainError(400, "missing_version", "a weight sync needs the version its producer assigned")
         if version <= self._applied.get(model_id, -1):
             path = self._paths.get((model_id, version))
-            return WeightSyncOutput(model_id=model_id, version=version, persisted=path is not None, path=path, applied=False)
+            return WeightSyncOutput(model_id=model_id, version=version, persisted=path is not None, path=path,
+                                    applied=False)
         path = saved or (self.trainer.save_sampler_weights(model_id, request.name) if request.persist else None)
         self.engine.apply_weights(model_id, version, self.trainer.export_weights(model_id))
         self._applied[model_id] = version

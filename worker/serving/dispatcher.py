@@ -104,7 +104,7 @@ class Dispatcher:
         """Best-effort error result for infrastructure failures (never raises)."""
         try:
             self.store_result(shard, request_id, error)
-        except Exception:  # noqa: BLE001 - called from failure paths that must not fail again
+        except Exception:  # called from failure paths that must not fail again
             log.exception("could not store the error result of %s", request_id)
 
     def handle(self, job: Job) -> dict[str, Any]:

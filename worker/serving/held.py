@@ -2,9 +2,9 @@
 payloads; per shard, each held op's deadline. An op leaves through `take`, which only one caller wins. Every write
 is fenced (worker/shards/fencing.py): a former owner woken from a pause can neither park an op nor take one out.
 
-What is read back is untrusted, as a popped job is (worker/consumer/admission.py): anyone who can write to Redis can park an
-op. A member that names no request (not UTF-8, not a request id, a deadline of a model routed to another shard) is
-dropped; a taken op is judged as admission judges a job's payload, and must be the op it was parked as (its model and
+What is read back is untrusted, as a popped job is (worker/consumer/admission.py): anyone who can write to Redis can
+park an op. A member that names no request (not UTF-8, not a request id, a deadline of a model routed to another shard)
+is dropped; a taken op is judged as admission judges a job's payload, and must be the op it was parked as (its model and
 seq_id), else it is refused, to be answered with that ErrorResponse."""
 
 import json

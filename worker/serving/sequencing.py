@@ -31,7 +31,7 @@ def _creates_model(request: Request) -> bool:
 
 class Sequencer:
     def __init__(self, connection: Redis, fence: Fence, gap_timeout_s: float, execute: Execute,
-                 store_result: StoreResult, admission: Admission):
+                 store_result: StoreResult, admission: Admission) -> None:
         self.connection = connection
         self.fence = fence
         self.gap_timeout_s = gap_timeout_s

@@ -8,6 +8,8 @@ is done when Redis goes away stores its result once Redis is back instead of bei
 """
 
 
+from typing import Any
+
 from redis import Redis
 from redis.client import Pipeline
 
@@ -71,12 +73,12 @@ end
 return stored
 """
 
-# A result (as _PUT_RESULTS) plus the model's journal entry for a state-changing op (worker/durability/journal.py), in one step:
-# a result is published only once the op is recoverable. The model's last seq moves too (max), so an owner dying right
-# after this write leaves the sequencer's position right. An optim_step counts towards the next durable checkpoint.
-# Returns the journal's length counted from its first entry ever (trimmed ones too), 0 if a result was stored already.
-# KEYS: (lease), result, request record, journal, last seq, journal base. ARGV: (token), result json, ttl, channel,
-# request id, status, then the entry, then the seq_id ('' for none), then '1' for an optim_step.
+# A result (as _PUT_RESULTS) plus the model's journal entry for a state-changing op (worker/durability/journal.py), in
+# one step: a result is published only once the op is recoverable. The model's last seq moves too (max), so an owner
+# dying right after this write leaves the sequencer's position right. An optim_step counts towards the next durable
+# checkpoint. Returns the journal's length counted from its first entry ever (trimmed ones too), 0 if a result was
+# stored already. KEYS: (lease), result, request record, journal, last seq, journal base. ARGV: (token), result json,
+# ttl, channel, request id, status, then the entry, then the seq_id ('' for none), then '1' for an optim_step.
 _PUT_JOURNALED = """
 if not redis.call('SET', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then return 0 end
 """ + _MARK_RECORD + """
@@ -91,10 +93,10 @@ return length + tonumber(redis.call('HGET', KEYS[6], 'offset') or '0')
 """
 
 # A durable checkpoint covers the journal's first `upto` entries: record it and drop those, keeping the ones journaled
-# while it was written (worker/durability/checkpointer.py), and take the optim_steps it covers off the count towards the next.
-# Refused (0) unless entry `upto` - 1 is still listed: an older checkpoint never replaces a newer one, and no entry
-# the checkpoint lacks is dropped. Every command that can fail runs before the first write: Redis does not undo a
-# script's writes when a later command fails, and a caller told the script failed deletes the file whose record it
+# while it was written (worker/durability/checkpointer.py), and take the optim_steps it covers off the count towards the
+# next. Refused (0) unless entry `upto` - 1 is still listed: an older checkpoint never replaces a newer one, and no
+# entry the checkpoint lacks is dropped. Every command that can fail runs before the first write: Redis does not undo
+# a script's writes when a later command fails, and a caller told the script failed deletes the file whose record it
 # may have written (HINCRBY by "-0", for a checkpoint covering no optim_step, fails). KEYS: (lease), journal, journal
 # base. ARGV: (token), upto, the checkpoint's record, the optim_steps it covers.
 _TRIM_JOURNAL = """
@@ -155,12 +157,12 @@ class FencedScript:
         self.fence = fence
         self.script = fence.connection.register_script(LEASE_CHECK + body)
 
-    def __call__(self, shard: int, script_keys: list[str], args: list, what: str, *, retry: bool = True):  # noqa: ANN204
+    def __call__(self, shard: int, script_keys: list[str], args: list, what: str, *, retry: bool = True) -> Any:
         """The script's reply; FencedOut if the lease on `shard` is not ours. `retry`: wait out a Redis outage and
         run it again (only for scripts that are idempotent)."""
         fence = self.fence
 
-        def call():  # noqa: ANN202
+        def call() -> Any:  # the script's reply, as redis-py decodes it
             return self.script(keys=[keys.lease_key(shard), *script_keys], args=[fence.token(shard), *args])
 
         reply = retrying(fence.connection, fence.outage_s, call, what) if retry else call()
@@ -280,7 +282,8 @@ class Fence:
         if not results:
             return []
         script_keys = [key for rid, _, _ in results for key in (keys.result_key(rid), keys.request_key(rid))]
-        args = [ttl_s, keys.DONE_CHANNEL, *(word for rid, payload, status in results for word in (payload, rid, status))]
+        args = [ttl_s, keys.DONE_CHANNEL,
+                *(word for rid, payload, status in results for word in (payload, rid, status))]
         what = f"the result of {results[0][0]}" if len(results) == 1 else f"{len(results)} results"
         return [stored == 1 for stored in self._put_results(shard, script_keys, args, what)]
 

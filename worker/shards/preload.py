@@ -56,7 +56,7 @@ class Preloader:
             started = time.monotonic()
             try:
                 self.runtime.warm(base)
-            except Exception as exc:  # noqa: BLE001 - the standby stays one: a base that fails here fails on use too
+            except Exception as exc:  # the standby stays one: a base that fails here fails on use too
                 if base in self.named and isinstance(exc, DomainError):
                     raise  # a name the deployment does not serve: the setting is wrong
                 log.exception("could not warm base model %s; it starts on first use", base)

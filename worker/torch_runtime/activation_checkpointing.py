@@ -15,10 +15,11 @@ from functools import partial
 
 import torch
 from torch.utils.checkpoint import checkpoint
+from transformers import PretrainedConfig
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 
-def layer_bytes_per_token(config, dtype: torch.dtype) -> int:
+def layer_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
     """What one decoder layer keeps for the backward, per token (measured shapes of a Qwen2/Llama-style layer:
     the MLP's four intermediate-size tensors, q/k/v/attention output, layer inputs, two float32 norm inputs)."""
     hidden = config.hidden_size
@@ -82,6 +83,10 @@ class _Recipe:
         return self.value
 
 
+# What autograd keeps in place of a remade tensor: its recipe, and its size, stride and offset in the remade storage.
+_Saved = tuple[_Recipe, torch.Size, tuple[int, ...], int]
+
+
 @contextmanager
 def recomputed_when_saved(target: torch.Tensor, make: Callable[[], torch.Tensor]) -> Iterator[None]:
     """Inside, wherever autograd saves `target` (or a view of it: a linear layer saves its input folded to 2-d)
@@ -92,12 +97,12 @@ def recomputed_when_saved(target: torch.Tensor, make: Callable[[], torch.Tensor]
     recipe, storage, device, origin = (_Recipe(make), target.untyped_storage().data_ptr(), target.device,
                                        target.storage_offset())
 
-    def pack(t: torch.Tensor):
+    def pack(t: torch.Tensor) -> torch.Tensor | _Saved:
         if t.untyped_storage().data_ptr() != storage or t.device != device:
             return t
         return recipe, t.size(), t.stride(), t.storage_offset() - origin
 
-    def unpack(saved):
+    def unpack(saved: torch.Tensor | _Saved) -> torch.Tensor:
         if isinstance(saved, torch.Tensor):
             return saved
         recipe, size, stride, offset = saved

@@ -1,5 +1,5 @@
-"""Assemble the torch runtime from settings (`worker/runtime/registry.py` picks it): the torch trainer beside a vLLM or a
-PyTorch engine; the Ray runtime's actors build their parts here too."""
+"""Assemble the torch runtime from settings (`worker/runtime/registry.py` picks it): the torch trainer beside a vLLM or
+a PyTorch engine; the Ray runtime's actors build their parts here too."""
 
 import dataclasses
 import importlib.util

@@ -93,7 +93,7 @@ def extract_archive(archive: Path, target: Path, max_bytes: int = DEFAULT_MAX_BY
             tar.extractall(target, members=members, filter="data")
     except DomainError:
         raise
-    except Exception as exc:  # noqa: BLE001 - truncated gzip, bad headers, zlib errors, ...
+    except Exception as exc:  # truncated gzip, bad headers, zlib errors, ...
         shutil.rmtree(target, ignore_errors=True)
         raise DomainError(400, "corrupt_checkpoint", f"{archive.name} is not a readable tar.gz: {exc}") from exc
     return target

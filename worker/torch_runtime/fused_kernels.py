@@ -26,7 +26,7 @@ def available(device: torch.device) -> bool:
             and importlib.util.find_spec("triton") is not None)
 
 
-def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+def _rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     # torch's own fused kernel, not Liger's: with the weight frozen (as LoRA keeps it), its forward + backward takes
     # a fraction of Liger's GPU time, though both skip the frozen weight's gradient; both stay within 2 bf16 ulps of
     # HF's float32 formula (bench/gpu_trainer.py, norm_bench)
@@ -40,7 +40,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return liger_swiglu(gate, up)
 
 
-def _apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1):
+def _apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     from liger_kernel.transformers.functional import liger_rope
 
     return liger_rope(q, k, cos, sin, None, unsqueeze_dim)

@@ -26,7 +26,8 @@ def plain_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def _forward(self, x: torch.Tensor, swiglu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def _forward(self: torch.nn.Module, x: torch.Tensor,
+             swiglu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     gate, up = self.gate_proj(x), self.up_proj(x)
     product = swiglu(gate, up)
     remake = getattr(self, REMAKE, False) and torch.is_grad_enabled()

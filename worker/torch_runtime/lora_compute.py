@@ -20,9 +20,11 @@ gradient of a cast is the cast gradient), two kernels for the whole adapter.
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from peft.tuners.lora.layer import Linear as LoraLinear
+from torch.autograd.function import FunctionCtx
 
 _peft_forward = LoraLinear.forward
 _written_out = True  # lean_lora(written_out=...) for the duration of a call
@@ -42,7 +44,7 @@ def _lean_adapter(self: LoraLinear) -> str | None:
     return name
 
 
-def _lean_forward(self: LoraLinear, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+def _lean_forward(self: LoraLinear, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     name = None if args or kwargs else _lean_adapter(self)
     if name is None:
         return _peft_forward(self, x, *args, **kwargs)
@@ -73,7 +75,8 @@ class _LoraLinear(torch.autograd.Function):
     inside the base's (no separate add of two [tokens, in] tensors); one autograd node instead of eight."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, a, b, scale):
+    def forward(ctx: FunctionCtx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
+                b: torch.Tensor, scale: float) -> torch.Tensor:
         out = torch.nn.functional.linear(x, weight, bias)  # a fresh tensor: safe to add into in place
         down = x @ a.t()  # [n, r]
         out.addmm_(down, b.t(), alpha=scale)
@@ -82,7 +85,7 @@ class _LoraLinear(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight, a, b, down = ctx.saved_tensors
         want_x, want_a, want_b = ctx.needs_input_grad[0], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
         up = (grad @ b).mul_(ctx.scale) if want_x or want_a else None  # [n, r]: s dL/d(down)
@@ -105,7 +108,7 @@ class ComputeCopies:
     """One trainer pass's copies of an adapter's lean LoRA weights in `dtype` (see the module's text). Use as a
     context around the pass's forward and backward; `flush()` after each backward."""
 
-    def __init__(self, layers: list[LoraLinear], adapter: str, dtype: torch.dtype):
+    def __init__(self, layers: list[LoraLinear], adapter: str, dtype: torch.dtype) -> None:
         """`layers`: `copied_layers(...)` of the model (a walk over every module: the trainer keeps it)."""
         self.layers, self.adapter = layers, adapter
         self.masters = [w for m in self.layers for w in (m.lora_A[adapter].weight, m.lora_B[adapter].weight)]
@@ -122,7 +125,7 @@ class ComputeCopies:
                 setattr(layer, COPIES, (self.adapter, views[2 * i], views[2 * i + 1]))
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         for layer in self.layers:
             setattr(layer, COPIES, None)
 

@@ -9,17 +9,19 @@ while `packed(config)` is in force; the sampler keeps the model's own implementa
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PretrainedConfig
 
 NAME = "tinkerq_packed"
 log = logging.getLogger(__name__)
 _flash_failed = False
 
 
-def packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                     sliding_window: int | None = None, **kwargs):
+def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """query [1, H, n, D], key/value [1, Hkv, n, D] -> ([1, n, H, D], None)."""
     cu, max_len = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
     if _flash_usable(query, sliding_window):
@@ -41,14 +43,16 @@ def _flash_off(exc: Exception) -> None:
     log.warning("flash varlen attention unavailable (%s); using SDPA per sequence", exc)
 
 
-def _flash(query, key, value, cu, max_len: int, scaling: float | None) -> torch.Tensor:
+def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, max_len: int,
+           scaling: float | None) -> torch.Tensor:
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [n, heads, D]
     out = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0, True, False,
                                                   scale=scaling)[0]
     return out[None]
 
 
-def _per_sequence(query, key, value, cu, scaling: float | None, sliding_window: int | None) -> torch.Tensor:
+def _per_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, scaling: float | None,
+                  sliding_window: int | None) -> torch.Tensor:
     bounds = cu.tolist()
     outs = []
     for s, e in zip(bounds[:-1], bounds[1:]):
@@ -66,7 +70,7 @@ AttentionInterface.register(NAME, packed_attention)
 
 
 @contextmanager
-def packed(config) -> Iterator[None]:
+def packed(config: PretrainedConfig) -> Iterator[None]:
     """Route the model's attention here (and skip its mask building: no mask is needed) for a packed call."""
     previous = config._attn_implementation
     config._attn_implementation = NAME

@@ -133,8 +133,8 @@ def forward_request(base: LoadedBase, adapter: str, request: ForwardRequest, bac
     return _outputs(flat, passes)
 
 
-def _run(decoder, head: Head, tokens, targets, flat: Flat, batch: MicroBatch, loss: DatumLoss,
-         backward: bool, options: TrainOptions) -> _Pass:
+def _run(decoder: torch.nn.Module, head: Head, tokens: torch.Tensor, targets: torch.Tensor, flat: Flat,
+         batch: MicroBatch, loss: DatumLoss, backward: bool, options: TrainOptions) -> _Pass:
     span = slice(batch.start, batch.end)
     hidden = decoder(input_ids=tokens[None, span], position_ids=batch.positions[None], use_cache=False,
                      cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens, max_length_q=batch.max_len,
@@ -202,7 +202,7 @@ def layer_bytes_key(adapter: str, options: TrainOptions) -> tuple[str, bool, boo
     return adapter, options.fused_kernels, options.remake_swiglu, options.lora_function
 
 
-def _measured_layer_bytes(base: LoadedBase, adapter: str, decoder, layers: list, tokens: torch.Tensor,
+def _measured_layer_bytes(base: LoadedBase, adapter: str, decoder: torch.nn.Module, layers: list, tokens: torch.Tensor,
                           options: TrainOptions) -> int:
     """What one whole layer keeps per token with this adapter and these kernels, measured on a pass over the first
     PROBE_TOKENS tokens at the adapter's first call (a few ms, once) instead of estimated from the shapes."""
@@ -215,7 +215,7 @@ def _measured_layer_bytes(base: LoadedBase, adapter: str, decoder, layers: list,
     return base.layer_bytes[key]
 
 
-def _decode(decoder, tokens: torch.Tensor) -> torch.Tensor:
+def _decode(decoder: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """The decoder's last hidden states over `tokens` as one sequence."""
     n = tokens.shape[0]
     cu = torch.tensor([0, n], dtype=torch.int32, device=tokens.device)

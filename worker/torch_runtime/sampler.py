@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from schemas import SamplingParams
 
@@ -130,7 +131,7 @@ def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, model: torch.nn.Module, tokenizer, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, device: torch.device) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.device = device

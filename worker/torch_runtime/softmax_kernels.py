@@ -14,6 +14,7 @@ tensor Triton cannot take, or a call with kernels=False) keeps the torch path, t
 
 import importlib.util
 import logging
+from types import ModuleType
 
 import torch
 
@@ -30,7 +31,7 @@ _kernels = None
 _failed = False
 
 
-def _triton():
+def _triton() -> ModuleType | None:
     """The compiled kernels, built at first use (Triton imports only where it is installed: never on the CPU
     test machines); None once they failed."""
     global _kernels

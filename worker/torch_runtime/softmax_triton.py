@@ -6,7 +6,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _lse_kernel(logits_ptr, stride, targets_ptr, out_ptr, lse_ptr, V, BLOCK: tl.constexpr):
+def _lse_kernel(logits_ptr, stride, targets_ptr, out_ptr, lse_ptr, V, BLOCK: tl.constexpr):  # noqa: ANN001, ANN202 - a Triton kernel: its arguments' annotations are Triton's (constexpr)
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride
     m = float("-inf")
@@ -24,7 +24,7 @@ def _lse_kernel(logits_ptr, stride, targets_ptr, out_ptr, lse_ptr, V, BLOCK: tl.
 
 
 @triton.jit
-def _grad_kernel(logits_ptr, stride, targets_ptr, lse_ptr, g_ptr, V, BLOCK: tl.constexpr):
+def _grad_kernel(logits_ptr, stride, targets_ptr, lse_ptr, g_ptr, V, BLOCK: tl.constexpr):  # noqa: ANN001, ANN202 - a Triton kernel: its arguments' annotations are Triton's (constexpr)
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride
     lse = tl.load(lse_ptr + row)

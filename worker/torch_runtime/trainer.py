@@ -293,8 +293,8 @@ class TorchTrainer(Trainer):
                     torch.save(copied["grads"], out / "grads.pt")
                 for version, config_of in configs.items():
                     (out / "snapshots" / str(version)).mkdir(parents=True)
-                    save_adapter(LoraWeights(config_of, copied[f"snapshot-{version}"]), out / "snapshots" / str(version),
-                                 base_path)
+                    save_adapter(LoraWeights(config_of, copied[f"snapshot-{version}"]),
+                                 out / "snapshots" / str(version), base_path)
                 target = paths.checkpoint_file(self.root, model_id, "durable", name, ".tar")
                 return str(write_archive(out, target, compress=False))
 
@@ -335,7 +335,8 @@ class TorchTrainer(Trainer):
             try:
                 weights = load_adapter(directory / "adapter")
             except (OSError, ValueError, KeyError) as exc:
-                raise DomainError(400, "corrupt_checkpoint", f"{archive.name} holds no readable adapter: {exc}") from exc
+                raise DomainError(400, "corrupt_checkpoint",
+                                  f"{archive.name} holds no readable adapter: {exc}") from exc
         return weights
 
     def load_state(self, request: LoadStateRequest) -> LoadStateOutput:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from peft.tuners.lora import LoraLayer
+from torch.autograd.function import FunctionCtx
 
 from worker.torch_runtime.softmax_kernels import softmax_grad_, target_logprobs_lse
 
@@ -65,7 +66,8 @@ def _cast(lora: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if lora is None else lora.to(dtype)
 
 
-def _logits(h: torch.Tensor, weight, bias, lora_a, lora_b, scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor | None,
+            lora_b: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logits in the dtype of h and weight (the LoRA already cast to it)."""
     logits = torch.nn.functional.linear(h, weight, bias)
     if lora_a is None:
@@ -76,7 +78,9 @@ def _logits(h: torch.Tensor, weight, bias, lora_a, lora_b, scale: float) -> tupl
 
 class _TargetLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, targets, weight, bias, lora_a, lora_b, scale, chunk, kernels):
+    def forward(ctx: FunctionCtx, hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None, scale: float,
+                chunk: int, kernels: bool) -> torch.Tensor:
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(out)  # kept for the backward: [n] floats instead of a second reduction per row
         ctx.lora_dtype = lora_a.dtype if lora_a is not None else None
@@ -89,7 +93,7 @@ class _TargetLogprobs(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden, targets, weight, bias, lora_a, lora_b, lse = ctx.saved_tensors
         scale, chunk = ctx.scale, ctx.chunk
         want_h, want_a, want_b = ctx.needs_input_grad[0], ctx.needs_input_grad[4], ctx.needs_input_grad[5]

@@ -169,8 +169,8 @@ class VllmEngine(Engine):
         self._llm(base_model)  # vLLM's engine: its weights, KV cache and (on a GPU) memory share and CUDA graphs
         # vLLM's first step after its start sets up what it builds lazily (most of the first sample's time, LoRA's
         # kernels among it): one token of the bare base pays that here, before any model is served
-        probe = SampleRequest(model_id=base_model_id(base_model), base_model=base_model, prompt_tokens=[0], weights_version=0,
-                              sampling_params=SamplingParams(max_tokens=1))
+        probe = SampleRequest(model_id=base_model_id(base_model), base_model=base_model, prompt_tokens=[0],
+                              weights_version=0, sampling_params=SamplingParams(max_tokens=1))
         result = self.generate([probe])[0]
         if isinstance(result, ErrorResponse):
             raise RuntimeError(f"the first sample of {base_model!r} failed: {result.error}")

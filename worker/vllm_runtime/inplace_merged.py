@@ -80,7 +80,7 @@ class MergedWriter:
         """The targeted modules by shape (every layer's q_proj, every layer's gate_proj, ...): a group is written by
         a few batched kernels instead of a few kernels per module, hundreds per sync."""
         groups: dict[tuple, list[str]] = {}
-        for name, (b, a) in pairs.items():
+        for name, (b, _a) in pairs.items():
             dst = self.params[name]
             groups.setdefault((tuple(dst.shape), dst.dtype, dst.device, tuple(b.shape), b.dtype), []).append(name)
         return list(groups.values())

@@ -20,6 +20,10 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where the device is measured
+    import torch
 
 log = logging.getLogger(__name__)
 # base model -> the trainer's peak device memory above what it holds now, and the tokens a pass it was measured at
@@ -39,7 +43,8 @@ class MemoryPlan:
 
     base: str
     total: int
-    free: int  # free on the device just before the engine starts (the trainer's base loaded, or parked where it is shared)
+    # free on the device just before the engine starts (the trainer's base loaded, or parked where it is shared)
+    free: int
     trainer_peak: int  # the trainer's measured need above what it holds now; the largest over bases served so far
     budget_tokens: int  # tokens per trainer pass the peak was measured at
     margin: int
@@ -100,7 +105,7 @@ def after_start(plan: MemoryPlan, free: int) -> tuple[int, str]:
         "TINKERQ_TRAIN_MICRO_BATCH_TOKENS")
 
 
-def cuda_mem_info(device) -> tuple[int, int]:
+def cuda_mem_info(device: "torch.device") -> tuple[int, int]:
     """Free and total bytes of the device, after torch hands back the blocks it caches but does not use."""
     import gc
 

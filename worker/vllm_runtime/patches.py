@@ -77,7 +77,8 @@ def _prompt_logits_lora() -> None:
         original = cls.add_lora_logits
 
         def add_lora_logits(self: PunicaWrapperBase, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
-                            lora_b: torch.Tensor, scale: float, *args: Any, _original=original, **kwargs: Any) -> Any:
+                            lora_b: torch.Tensor, scale: float, *args: Any, _original: Callable[..., Any] = original,
+                            **kwargs: Any) -> Any:
             index = self.sampler_indices
             rows = x.view(-1, x.shape[-1])
             if rows.shape[0] == index.shape[0]:

@@ -2,6 +2,7 @@
 keeps. What it does not keep (published checkpoints, TTLs, projects, traces, billing, external weights) is a 400
 that says so: the SDK raises it at once (it would retry a 5xx)."""
 
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
 
 from fastapi import APIRouter, Query
@@ -147,7 +148,7 @@ UNSUPPORTED: list[tuple[str, str, str]] = [
 ]
 
 
-def _unsupported(why: str):
+def _unsupported(why: str) -> Callable[[], Awaitable[dict]]:
     async def unsupported() -> dict:
         raise ApiError(400, f"not supported by this server: {why}", "unsupported")
     return unsupported

@@ -6,13 +6,14 @@ from producer.api import bodies, proto, provenance
 from producer.api.deps import Authorized, DepsParam, ProtoAuthorized
 from producer.api.http_errors import ApiError
 from producer.api.ids import derived_id
+from producer.enqueue import Ticket
 from tinkerq.uris import tinker_uri
 
 router = APIRouter(prefix="/api/v1", dependencies=Authorized)
 proto_router = APIRouter(prefix="/api/v1", dependencies=ProtoAuthorized)
 
 
-def _future(ticket, model_id: str) -> dict:
+def _future(ticket: Ticket, model_id: str) -> dict:
     return {"request_id": ticket.request_id, "model_id": model_id}
 
 
