@@ -69,7 +69,7 @@ def synchronize() -> None:
 
 def timed(worker: WorkerProcess, times: dict[str, list[float]]) -> None:
     """Record the wall time the dispatcher spends on each training op, by kind."""
-    execute = worker.dispatcher._execute
+    execute = worker.dispatcher.training.execute
 
     def each(shard, rid, request):
         t0 = time.perf_counter()

@@ -79,7 +79,7 @@ class WorkerProcess:
         self.dispatcher = Dispatcher(connection, runtime, self.fence, self.config, limits)
         self.preloader = Preloader(connection, runtime, self.config.preload_bases, self.wanted)
         self.rq_worker: ShardWorker | None = None
-        self._stopping = self.dispatcher.stopping
+        self._stopping = self.dispatcher.sampling.stopping
         self.draining = threading.Event()  # `tinkerq drain` named this worker (_keep_once)
         # The lease keeper runs until the leases are about to be released: a draining worker keeps its shards
         # while it finishes the job in hand and checkpoints its models, however long that takes.
@@ -180,7 +180,7 @@ class WorkerProcess:
     def _await_checkpoint(self) -> None:
         """A checkpoint still being written is recorded before the leases go (its trim is fenced), for at most the
         stop's grace: one cut off leaves the journal whole, as a kill would."""
-        checkpointer = self.dispatcher.checkpointer
+        checkpointer = self.dispatcher.training.checkpointer
         if checkpointer.writing() and not checkpointer.wait(self.config.stop_grace_s):
             log.warning("worker %s: a durable checkpoint still being written after %g s is left unrecorded",
                         self.name, self.config.stop_grace_s)
@@ -258,7 +258,7 @@ class WorkerProcess:
 
     def _recover(self, shard: int) -> None:
         try:
-            recover(self.connection, self._queue(shard), self.fence, self.dispatcher.store_result)
+            recover(self.connection, self._queue(shard), self.fence, self.dispatcher.results.store_result)
         except FencedOut:  # paused past the lease while recovering: the shard and its recovery are someone else's
             log.warning("worker %s lost shard %d while recovering it", self.name, shard)
             self.fence.forget([shard])
@@ -304,7 +304,7 @@ class WorkerProcess:
             error = ErrorResponse(error=str(exc), status=500, code="job_lost")
         else:
             error = ErrorResponse(error=f"the job could not be loaded: {exc}", status=400, code="invalid_job")
-        self.dispatcher.fail(shard_of_queue(queue.name), job_id, error)
+        self.dispatcher.results.fail(shard_of_queue(queue.name), job_id, error)
 
     def _keep_leases(self) -> None:
         period = self.config.lease_ttl_ms / 3000
