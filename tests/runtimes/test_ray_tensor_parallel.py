@@ -15,9 +15,9 @@ if importlib.util.find_spec("vllm") is None:
 
 import ray  # noqa: E402
 import torch  # noqa: E402
-from ray_helpers import PROMPTS, config, create, step  # noqa: E402
 
 from schemas import SampleOutput, SampleRequest, SamplingParams  # noqa: E402
+from support.ray_helpers import PROMPTS, config, create, step  # noqa: E402
 from worker.ray_runtime import cluster  # noqa: E402
 from worker.runtime.registry import build_runtime  # noqa: E402
 
