@@ -1,8 +1,8 @@
-"""Fixtures: a real Redis for anything that crosses processes, fakeredis for single-process units."""
+"""Fixtures for every folder (unit, e2e, runtimes): a real Redis for anything that crosses processes, fakeredis for
+single-process units, and the `tinkerq` worker and API processes a test starts (tests/support/stack.py)."""
 
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,13 +10,9 @@ import fakeredis
 import pytest
 from redis import Redis
 
-from commands.processes import TinkerqProc
 from commands.redis_server import EmbeddedRedis
-from tinkerq.config import QueueConfig, RuntimeConfig
-from worker.main import WorkerProcess
-from worker.runtime.registry import build_runtime
-
-ROOT = Path(__file__).resolve().parent.parent
+from support.stack import ApiProc, WorkerProc
+from tinkerq.config import QueueConfig
 
 
 @pytest.fixture(scope="session")
@@ -44,60 +40,6 @@ def fake() -> fakeredis.FakeRedis:
 @pytest.fixture
 def config() -> QueueConfig:
     return QueueConfig(num_shards=4, lease_ttl_ms=3000, seq_gap_timeout_s=2.0)
-
-
-def burst_worker(connection: Redis, config: QueueConfig, tmp_path: Path, **runtime: object) -> WorkerProcess:
-    """An in-process worker over every shard, for draining queues in a test (run with burst=True); the reference
-    runtime unless the test asks for another."""
-    runtime.setdefault("runtime", "reference")
-    rt = build_runtime(RuntimeConfig(checkpoint_root=str(tmp_path / "ckpt"), **runtime))
-    return WorkerProcess(connection, rt, config)
-
-
-def wait_until(predicate, timeout: float = 15.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def log_dir(env: dict[str, str]) -> Path:
-    return Path(env.get("TINKERQ_CHECKPOINT_ROOT", "/tmp"))
-
-
-class WorkerProc(TinkerqProc):
-    """A `tinkerq worker` in its own process, as users run it; its log beside its checkpoints."""
-
-    def __init__(self, redis_url: str, env: dict[str, str], args: list[str] = ()) -> None:
-        super().__init__(["worker", "--redis-url", redis_url, "--log-level", "WARNING", *args], env, log_dir(env),
-                         python_path=[str(ROOT / "tests")])
-
-
-class ApiProc(TinkerqProc):
-    """`tinkerq api` on a free port, as users run it."""
-
-    def __init__(self, redis_url: str, env: dict[str, str], args: tuple[str, ...] = ()) -> None:
-        from commands.redis_server import free_port
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        super().__init__(["api", "--redis-url", redis_url, "--port", str(self.port), "--log-level", "warning", *args],
-                         env, log_dir(env))
-        import urllib.request
-
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(f"{self.url}/api/v1/healthz", timeout=1).read()
-                return
-            except OSError:
-                if not self.alive():
-                    raise RuntimeError(f"the API exited: {self.output()}") from None
-                time.sleep(0.1)
-        self.kill(signal.SIGTERM)  # no fixture holds it yet: left running, it would outlive the test session
-        raise RuntimeError(f"the API did not come up: {self.output()}")
 
 
 @pytest.fixture

@@ -13,9 +13,9 @@ from redis.client import Pipeline, Redis
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 from rq.registry import FailedJobRegistry
 
-from conftest import burst_worker
 from producer import Producer
 from schemas import CreateModelRequest, SampleOutput, SampleRequest, WeightSyncRequest
+from support.stack import burst_worker
 from tinkerq import keys
 
 M = "windows:train:0"

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from redis import Redis
 
-from conftest import wait_until
 from producer import Producer
 from schemas import CreateModelRequest, LoraConfig
+from support.stack import wait_until
 from tinkerq import keys
 from tinkerq.config import QueueConfig, RuntimeConfig
 from worker.main import WorkerProcess

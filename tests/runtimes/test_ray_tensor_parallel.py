@@ -15,9 +15,9 @@ if importlib.util.find_spec("vllm") is None:
 
 import ray
 import torch
-from ray_helpers import PROMPTS, config, create, step
 
 from schemas import SampleOutput, SampleRequest, SamplingParams
+from support.ray_helpers import PROMPTS, config, create, step
 from worker.ray_runtime import cluster
 from worker.runtime.registry import build_runtime
 

@@ -11,7 +11,19 @@ import time
 import pytest
 import ray  # the `ray` extra is part of `make test`: a missing one fails here, never skips
 import torch
-from ray_helpers import (
+
+from schemas import (
+    AdamParams,
+    CreateModelRequest,
+    Datum,
+    ForwardBackwardRequest,
+    ForwardRequest,
+    LoraConfig,
+    OptimStepRequest,
+    SampleOutput,
+    WeightSyncRequest,
+)
+from support.ray_helpers import (
     BASE,
     MICRO_BATCH_TOKENS,
     PROMPTS,
@@ -24,18 +36,6 @@ from ray_helpers import (
     same_adapter,
     step,
     steps_through_a_kill,
-)
-
-from schemas import (
-    AdamParams,
-    CreateModelRequest,
-    Datum,
-    ForwardBackwardRequest,
-    ForwardRequest,
-    LoraConfig,
-    OptimStepRequest,
-    SampleOutput,
-    WeightSyncRequest,
 )
 from worker.ray_runtime import cluster
 from worker.ray_runtime.trainers import RanksLost

@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 from redis import Redis
 
-from conftest import WorkerProc, wait_until
 from producer import Producer
-from redis_proc import RedisProc
 from schemas import Datum, ErrorResponse, ForwardBackwardRequest
-from test_outages import CONFIG, MODELS, Load, connect, loaded_worker
-from test_shutdown import stop_within
+from support.load import CONFIG, MODELS, Load, connect, loaded_worker
+from support.redis_proc import RedisProc
+from support.stack import WorkerProc, stop_within, wait_until
 from tinkerq import keys
 
 pytestmark = pytest.mark.slow

@@ -11,10 +11,10 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings, strategies as st
 from tinker.proto import tinker_public_pb2 as pb
 
-from conftest import burst_worker
 from producer.api.app import create_app
 from producer.api.routes.rest import UNSUPPORTED
 from producer.api.settings import ApiSettings
+from support.stack import burst_worker
 from tinkerq import keys
 
 KEY = {"X-API-Key": "tml-good"}

@@ -6,10 +6,10 @@ import subprocess
 import sys
 import time
 
-from conftest import ROOT, wait_until
 from producer import Producer
 from schemas import ErrorResponse, SampleRequest, SamplingParams
-from test_durable import answered, owns_all, training
+from support.stack import ROOT, wait_until
+from support.training import answered, owns_all, training
 from tinkerq import keys
 from worker.durability.journal import Journal
 

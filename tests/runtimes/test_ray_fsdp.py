@@ -9,7 +9,11 @@ import tarfile
 import pytest
 import ray
 import torch
-from ray_helpers import (
+from safetensors.torch import load
+from torch.distributed.tensor import DTensor
+
+from schemas import AdamParams, ForwardBackwardRequest, ForwardRequest, OptimStepRequest, WeightSyncRequest
+from support.ray_helpers import (
     MICRO_BATCH_TOKENS,
     PROMPTS,
     adapter,
@@ -19,10 +23,6 @@ from ray_helpers import (
     same_adapter,
     steps_through_a_kill,
 )
-from safetensors.torch import load
-from torch.distributed.tensor import DTensor
-
-from schemas import AdamParams, ForwardBackwardRequest, ForwardRequest, OptimStepRequest, WeightSyncRequest
 from worker.ray_runtime import cluster
 from worker.ray_runtime.data_parallel import assignment
 from worker.runtime.registry import build_runtime

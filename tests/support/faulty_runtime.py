@@ -1,4 +1,4 @@
-"""A runtime whose engine misbehaves on cue, for failure-path tests (loaded as `faulty_runtime:make`)."""
+"""A runtime whose engine misbehaves on cue, for failure-path tests (loaded as `support.faulty_runtime:make`)."""
 
 import time
 from pathlib import Path
@@ -55,7 +55,7 @@ HOLD_WRITES = "TINKERQ_TEST_HOLD_WRITES"  # a folder: durable checkpoint writes 
 def held_writes(config: RuntimeConfig) -> Runtime:
     """The torch runtime, whose durable checkpoints are captured as usual but whose writes (on the side thread)
     touch `writing` in the HOLD_WRITES folder, then wait while `hold` is there (at most 120 s): a test can kill the
-    worker mid-write (loaded as `faulty_runtime:held_writes`)."""
+    worker mid-write (loaded as `support.faulty_runtime:held_writes`)."""
     import os
 
     from worker.torch_runtime.assembly import make_runtime

@@ -18,7 +18,6 @@ import torch
 from redis import Redis
 
 from commands.redis_server import free_port
-from conftest import WorkerProc, burst_worker
 from producer import Producer
 from schemas import (
     AdamParams,
@@ -35,6 +34,7 @@ from schemas import (
     SamplingParams,
     WeightSyncRequest,
 )
+from support.stack import WorkerProc, burst_worker
 from tinkerq.config import QueueConfig
 from worker.ray_runtime import cluster
 

@@ -4,56 +4,30 @@
 import random
 import signal
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import burst_worker, wait_until
 from producer import Producer
 from schemas import (
     AdamParams,
-    CreateModelRequest,
-    Datum,
     ErrorResponse,
     ForwardBackwardRequest,
     LoadStateRequest,
-    LoraConfig,
     OptimStepRequest,
     SampleRequest,
-    SamplingParams,
     SaveStateRequest,
     WeightSyncRequest,
 )
+from support.stack import burst_worker, wait_until
+from support.training import BASE, GREEDY, PROMPT, answered, datum, owns_all, training
 from tinkerq import keys
 from tinkerq.config import QueueConfig, RuntimeConfig
 from worker.durability.journal import Journal
 from worker.durability.restore import Restorer
 from worker.runtime.registry import build_runtime
 from worker.shards.fencing import Fence, FencedOut
-
-BASE = "tinyq-micro"
-PROMPT = [5, 6, 7, 8]
-GREEDY = SamplingParams(max_tokens=4, temperature=0)
-
-
-def datum(step: int) -> Datum:
-    full = PROMPT + [40 + step % 7, 41, 42, 43]
-    return Datum(model_input=full[:-1], loss_fn_inputs={"target_tokens": [float(t) for t in full[1:]],
-                                                        "weights": [0.0] * 3 + [1.0] * 4})
-
-
-def training(model_id: str, steps: int, seed: int | None = 7, sample: bool = True) -> list:
-    """create, then per step forward_backward + optim_step + a transient sync (+ a greedy sample)."""
-    ops: list = [CreateModelRequest(model_id=model_id, base_model=BASE, lora=LoraConfig(rank=4, seed=seed))]
-    for step in range(steps):
-        ops += [ForwardBackwardRequest(model_id=model_id, seq_id=3 * step + 1, data=[datum(step)]),
-                OptimStepRequest(model_id=model_id, seq_id=3 * step + 2, adam_params=AdamParams(learning_rate=1e-2)),
-                WeightSyncRequest(model_id=model_id, seq_id=3 * step + 3)]
-        if sample:
-            ops.append(SampleRequest(model_id=model_id, prompt_tokens=PROMPT, sampling_params=GREEDY))
-    return ops
 
 
 def torch_runtime(tmp_path: Path):
@@ -332,27 +306,6 @@ def test_an_evicted_persisted_snapshot_is_read_back_from_its_archive(r, config, 
 # -- worker processes -----------------------------------------------------------------------------------------
 
 
-def owns_all(r, config) -> bool:
-    """Every shard is leased (by the one worker started so far)."""
-    return all(r.exists(keys.lease_key(s)) for s in range(config.num_shards))
-
-
-def answered(producer: Producer, tickets: list, timeout: float) -> list:
-    """Each ticket's result; a retryable error is submitted again (as a client does) until it is served."""
-    outs = []
-    deadline = time.monotonic() + timeout
-    for op, ticket in tickets:
-        while True:
-            out = producer.wait(ticket.request_id, max(1.0, deadline - time.monotonic()))
-            assert out is not None, f"no result for {op.kind} {ticket.request_id} within {timeout}s"
-            if not (isinstance(out, ErrorResponse) and out.retryable) or time.monotonic() > deadline:
-                break
-            print(f"retrying {op.kind} after {out.code}")
-            ticket = producer.submit(op)
-        outs.append(out)
-    return outs
-
-
 def saved_adapter(path: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -430,12 +383,12 @@ def test_an_owner_sigkilled_while_it_writes_a_checkpoint_leaves_the_whole_journa
     """The write off the step (TINKERQ_DURABLE_ASYNC) cut off by SIGKILL: the results it covers are published, yet
     nothing was trimmed, so the standby rebuilds the model from the whole journal and the run ends as an
     uninterrupted one."""
-    from faulty_runtime import HOLD_WRITES
+    from support.faulty_runtime import HOLD_WRITES
 
     hold = tmp_path / "hold-writes"
     hold.mkdir()
     (hold / "hold").touch()
-    owner = start_worker(TINKERQ_RUNTIME="faulty_runtime:held_writes", TINKERQ_DURABLE_EVERY="2",
+    owner = start_worker(TINKERQ_RUNTIME="support.faulty_runtime:held_writes", TINKERQ_DURABLE_EVERY="2",
                          **{HOLD_WRITES: str(hold)})
     wait_until(lambda: owns_all(r, config), 120, "the first worker's leases")
     standby = start_worker(TINKERQ_RUNTIME="torch", TINKERQ_DURABLE_EVERY="2")

@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from commands import config_docs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("schemas", "tinkerq", "producer", "worker", "commands")
 
 

@@ -1,6 +1,6 @@
 """Runs a tinker-cookbook recipe's own entry point, unmodified, with the served model's tokenizer registered.
 
-    python tests/cookbook_run.py RECIPE TOKENIZER_DIR KEY=VALUE...
+    python tests/support/cookbook_run.py RECIPE TOKENIZER_DIR KEY=VALUE...
 
 RECIPE is a module under tinker_cookbook.recipes (sl_loop, rl_loop); the KEY=VALUE arguments are its chz
 config, as on its command line. Run from the directory of the local datasets (cookbook_data.write_hub_mirror).

@@ -6,7 +6,6 @@ import importlib.util
 
 import pytest
 
-from conftest import burst_worker
 from producer import Producer
 from schemas import (
     AdamParams,
@@ -19,6 +18,7 @@ from schemas import (
     SamplingParams,
     WeightSyncRequest,
 )
+from support.stack import burst_worker
 from tinkerq.local_models import LOCAL_MODELS, build
 
 PROMPT = [5, 6, 7, 8]

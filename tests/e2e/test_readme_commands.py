@@ -14,7 +14,7 @@ from redis import Redis
 
 from commands.cli import app
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SUBCOMMANDS = sorted(typer.main.get_command(app).commands)
 
 

@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from redis import Redis
 
 from commands.redis_server import free_port
-from conftest import wait_until
 from producer import Producer
 from schemas import CreateModelRequest, ErrorResponse, SampleOutput, SampleRequest, WeightSyncRequest
+from support.stack import wait_until
 from tinkerq import keys
 from tinkerq.config import QueueConfig
 from worker.shards.fencing import Fence, FencedOut
@@ -125,7 +125,7 @@ def test_only_the_lease_holder_writes(r):
 
 
 def test_a_standby_takes_over_a_dead_workers_shards_and_reruns_its_job_first(r, config, start_worker):
-    runtime = {"TINKERQ_RUNTIME": "faulty_runtime:make"}
+    runtime = {"TINKERQ_RUNTIME": "support.faulty_runtime:make"}
     first = start_worker(**runtime)
     wait_until(lambda: len(owned_shards(r, config)) == config.num_shards, what="first worker's leases")
     standby = start_worker(**runtime)
@@ -145,7 +145,7 @@ def test_a_standby_takes_over_a_dead_workers_shards_and_reruns_its_job_first(r, 
 
 
 def test_sigterm_finishes_the_job_in_hand_then_releases_the_shards(r, config, start_worker):
-    worker = start_worker(TINKERQ_RUNTIME="faulty_runtime:make")
+    worker = start_worker(TINKERQ_RUNTIME="support.faulty_runtime:make")
     wait_until(lambda: len(owned_shards(r, config)) == config.num_shards, what="leases")
     producer = Producer(r, config)
     create = producer.submit(CreateModelRequest(model_id="term", base_model="stall"))

@@ -4,7 +4,6 @@ in hand stays in Redis, and the next owner answers it. A live `tinkerq api` with
 seconds too, and the poll gets an answer the SDK retries."""
 
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -12,18 +11,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from commands.processes import TinkerqProc
-from conftest import ApiProc, WorkerProc
 from producer import Producer
-from redis_proc import RedisProc
 from schemas import ErrorResponse
-from test_outages import CONFIG, Load, connect, loaded_worker
+from support.load import CONFIG, Load, connect, loaded_worker
+from support.redis_proc import RedisProc
+from support.stack import DEADLINE_S, ApiProc, WorkerProc, stop_within
 from tinkerq import keys
 
 pytestmark = pytest.mark.slow
 
 GRACE_S = 3.0
-DEADLINE_S = 10.0  # the issue's bound: within a few seconds of SIGTERM
 
 
 @pytest.fixture
@@ -39,20 +36,6 @@ def worker(server: RedisProc, tmp_path: Path):
     proc = loaded_worker(server.url, tmp_path, TINKERQ_STOP_GRACE_S=str(GRACE_S), TINKERQ_BATCH_ADMIT_S="60")
     yield proc
     proc.kill(signal.SIGKILL)
-
-
-def stop_within(proc: TinkerqProc, deadline_s: float = DEADLINE_S) -> float:
-    """SIGTERM; the seconds it took to exit with status 0 (fails, after SIGKILLing it, if it did not)."""
-    start = time.monotonic()
-    proc.proc.send_signal(signal.SIGTERM)
-    try:
-        code = proc.proc.wait(timeout=deadline_s)
-    except subprocess.TimeoutExpired:
-        proc.kill(signal.SIGKILL)
-        pytest.fail(f"{proc.log_path.name} was still running {deadline_s:g} s after SIGTERM\n{proc.output()[-3000:]}")
-    took = time.monotonic() - start
-    assert code == 0, f"{proc.log_path.name} exited with status {code} after {took:.1f} s\n{proc.output()[-3000:]}"
-    return took
 
 
 def standby_settles(server: RedisProc, tmp_path: Path, load: Load) -> None:

@@ -17,7 +17,6 @@ from pydantic import ValidationError
 from rq.job import Job, JobStatus
 from tinker.proto import tinker_public_pb2 as pb
 
-from conftest import burst_worker
 from producer import Producer
 from schemas import (
     ID_PATTERN,
@@ -33,6 +32,7 @@ from schemas import (
     WeightSyncRequest,
     parse_result,
 )
+from support.stack import burst_worker
 from tinkerq import keys
 from tinkerq.config import RuntimeConfig
 from worker.main import WorkerProcess

@@ -20,7 +20,7 @@ from schemas import CreateModelRequest, SampleRequest
 from tinkerq import keys
 
 pytestmark = pytest.mark.slow
-ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "dashboard"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "dashboard"
 # What a pickled value or a bytes repr looks like once a page prints it.
 PICKLED = re.compile(r"\\x80\\x0[2-5]|gASV|b'\\x|\(dp0|c__builtin__|cpickle")
 

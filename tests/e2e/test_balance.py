@@ -6,10 +6,10 @@ import threading
 import time
 from collections import Counter
 
-from conftest import wait_until
 from producer import Producer
 from schemas import ErrorResponse, SampleOutput, SampleRequest, SamplingParams
-from test_durable import answered, training
+from support.stack import wait_until
+from support.training import answered, training
 from tinkerq import keys
 from worker.shards.membership import fair_share
 

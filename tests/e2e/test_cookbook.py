@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-import cookbook_data
+from support import cookbook_data
 
 pytestmark = pytest.mark.slow
-RUNNER = Path(__file__).with_name("cookbook_run.py")
+RUNNER = Path(__file__).parents[1] / "support" / "cookbook_run.py"
 RUN_TIMEOUT_S = 600  # bounds a recipe that hangs; a healthy run takes well under a minute
 
 
@@ -36,7 +36,7 @@ def run_recipe(recipe: str, url: str, model_dir: Path, tmp_path: Path, *config: 
     data = cookbook_data.write_hub_mirror(tmp_path / "hub", sl_rows=48, rl_rows=12)
     log_path = tmp_path / f"{recipe}-log"
     env = {**os.environ, "TINKER_API_KEY": "tml-test-key", "HF_HOME": str(tmp_path / "hf"),
-           "PYTHONPATH": os.pathsep.join([str(RUNNER.parent.parent), str(RUNNER.parent)])}
+           "PYTHONPATH": os.pathsep.join([str(RUNNER.parents[2]), str(RUNNER.parent)])}
     args = [sys.executable, str(RUNNER), recipe, str(model_dir), f"base_url={url}",
             f"model_name={cookbook_data.MODEL_NAME}", f"log_path={log_path}", *config]
     done = subprocess.run(args, cwd=data, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)

@@ -11,7 +11,6 @@ from rq import Queue
 from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 
-from conftest import burst_worker
 from producer import Producer
 from schemas import (
     CreateModelRequest,
@@ -23,6 +22,7 @@ from schemas import (
     SampleRequest,
     WeightSyncRequest,
 )
+from support.stack import burst_worker
 from tinkerq import keys
 
 M = "sess:train:0"
@@ -102,12 +102,12 @@ def summary(r, ticket) -> dict:
 
 
 def test_samples_that_arrive_while_a_batch_runs_join_it_but_never_overtake_a_queued_job(r, producer, config, tmp_path):
-    import faulty_runtime
+    from support import faulty_runtime
 
     create(producer)
     stall = sample(producer, prompt=[faulty_runtime.STALL])  # its engine call takes 3 s
     joined = []
-    drain_while(r, config, tmp_path, lambda: joined.append(sample(producer)), runtime="faulty_runtime:make")
+    drain_while(r, config, tmp_path, lambda: joined.append(sample(producer)), runtime="support.faulty_runtime:make")
     assert summary(r, stall)["batch"] == 2  # the late sample was served in the stalled job's run
     assert summary(r, joined[0])["batched"] is True
     assert isinstance(result(producer, joined[0]), SampleOutput)
@@ -119,7 +119,7 @@ def test_samples_that_arrive_while_a_batch_runs_join_it_but_never_overtake_a_que
     stall = sample(producer, first, prompt=[faulty_runtime.STALL])
     queued = []
     drain_while(r, config, tmp_path, lambda: queued.extend([create(producer, second), sample(producer, first)]),
-                runtime="faulty_runtime:make")
+                runtime="support.faulty_runtime:make")
     assert summary(r, stall)["batch"] == 1  # another model's job was queued first: the sample waited for it
     assert isinstance(result(producer, queued[1]), SampleOutput)
     assert summary(r, queued[1]) == {"request_id": queued[1].request_id, "type": "sample", "batch": 1}
@@ -131,20 +131,20 @@ def test_samples_that_arrive_while_a_batch_runs_join_it_but_never_overtake_a_que
     stall = sample(producer, first, prompt=[faulty_runtime.STALL])
     queued = []
     drain_while(r, config, tmp_path, lambda: queued.extend([create(producer, third), sample(producer, first)]),
-                runtime="faulty_runtime:make")
+                runtime="support.faulty_runtime:make")
     assert summary(r, stall)["batch"] == 1
     assert summary(r, queued[1])["batch"] == 1
 
 
 def test_an_engine_crash_after_admitting_samples_puts_them_back_and_each_gets_one_result(r, producer, config,
                                                                                         tmp_path):
-    import faulty_runtime
+    from support import faulty_runtime
 
     create(producer)
     stall = sample(producer, prompt=[faulty_runtime.STALL])
     late = []
     drain_while(r, config, tmp_path, lambda: late.extend([sample(producer, prompt=[faulty_runtime.EXPLODE]),
-                                                           sample(producer)]), runtime="faulty_runtime:make")
+                                                           sample(producer)]), runtime="support.faulty_runtime:make")
     assert isinstance(result(producer, stall), SampleOutput)  # stored before the admitted batch exploded
     assert Job.fetch(stall.request_id, connection=r, serializer="json").get_status() == JobStatus.FINISHED
     boom, fine = (result(producer, ticket) for ticket in late)
@@ -156,12 +156,12 @@ def test_an_engine_crash_after_admitting_samples_puts_them_back_and_each_gets_on
 
 def test_samples_served_before_an_engine_crash_are_finished_in_rq_and_leave_the_batched_list(r, producer, config,
                                                                                            tmp_path):
-    import faulty_runtime
+    from support import faulty_runtime
 
     create(producer)
     crashing = sample(producer, prompt=[faulty_runtime.HALF])
     served = [sample(producer) for _ in range(2)]  # taken with it, and served before the engine raises
-    drain(r, config, tmp_path, runtime="faulty_runtime:make")
+    drain(r, config, tmp_path, runtime="support.faulty_runtime:make")
     assert all(isinstance(result(producer, ticket), SampleOutput) for ticket in served)
     assert result(producer, crashing).status == 500
     for ticket in served:
@@ -314,7 +314,7 @@ def test_garbage_jobs_get_error_results_and_the_worker_keeps_serving(r, producer
 
 
 def test_a_job_that_raises_or_times_out_still_gets_exactly_one_result(r, producer, config, tmp_path):
-    import faulty_runtime
+    from support import faulty_runtime
 
     config = config.model_copy(update={"job_timeout_s": 1})
     producer = Producer(r, config)
@@ -324,7 +324,7 @@ def test_a_job_that_raises_or_times_out_still_gets_exactly_one_result(r, produce
     stall = sample(producer, prompt=[faulty_runtime.STALL])
     producer.submit(WeightSyncRequest(model_id=M))
     fine = sample(producer)
-    drain(r, config, tmp_path, runtime="faulty_runtime:make")
+    drain(r, config, tmp_path, runtime="support.faulty_runtime:make")
     assert (result(producer, boom).code, result(producer, boom).status) == ("internal_error", 500)
     assert (result(producer, stall).code, result(producer, stall).status) == ("timeout", 504)
     assert result(producer, fine).weights_version == 2
@@ -332,8 +332,8 @@ def test_a_job_that_raises_or_times_out_still_gets_exactly_one_result(r, produce
 
 
 def test_a_training_op_that_raises_gets_its_error_and_later_ops_still_run(r, producer, config, tmp_path):
-    import faulty_runtime
     from schemas import AdamParams
+    from support import faulty_runtime
 
     create(producer)
     bad = AdamParams(learning_rate=faulty_runtime.BAD_LEARNING_RATE)
@@ -342,7 +342,7 @@ def test_a_training_op_that_raises_gets_its_error_and_later_ops_still_run(r, pro
     first = producer.submit(OptimStepRequest(model_id=M, seq_id=1))
     then_bad = producer.submit(OptimStepRequest(model_id=M, seq_id=4, adam_params=bad))  # raises as the job in hand
     after = producer.submit(OptimStepRequest(model_id=M, seq_id=5))
-    drain(r, config, tmp_path, runtime="faulty_runtime:make")
+    drain(r, config, tmp_path, runtime="support.faulty_runtime:make")
     assert result(producer, first).metrics["step:max"] == 1
     assert (result(producer, parked_bad).code, result(producer, parked_bad).status) == ("internal_error", 500)
     assert result(producer, late).metrics["step:max"] == 2
@@ -352,7 +352,7 @@ def test_a_training_op_that_raises_gets_its_error_and_later_ops_still_run(r, pro
 
 
 def test_heartbeats_continue_while_a_long_job_runs(r, producer, config, tmp_path):
-    import faulty_runtime
+    from support import faulty_runtime
 
     config = config.model_copy(update={"lease_ttl_ms": 1500})
     create(producer)
@@ -369,7 +369,7 @@ def test_heartbeats_continue_while_a_long_job_runs(r, producer, config, tmp_path
 
     watcher = threading.Thread(target=watch)
     watcher.start()
-    drain(r, config, tmp_path, runtime="faulty_runtime:make")
+    drain(r, config, tmp_path, runtime="support.faulty_runtime:make")
     watcher.join()
     assert result(producer, stall).type == "sample"
     assert len(scores) >= 3 and scores[-1] > scores[0] + 0.5, scores  # the registry entry was refreshed

@@ -14,7 +14,7 @@ from commands.cli import app
 from tinkerq.config import RuntimeConfig
 from worker.runtime.registry import RUNTIMES, runtime_name
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SPEC = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES = SPEC["services"]
 # the services whose process is `tinkerq` (the image's entrypoint, or a shell that execs it)
