@@ -2,7 +2,7 @@
 its connections reset. Once it is back, every acknowledged request is answered exactly once, by the same worker
 process, which reconnected by itself; no job is lost between its pop and the claimed list.
 
-"Acknowledged" is what README.md says: under appendfsync always, every submit that returned; under everysec, a
+"Acknowledged" is what docs/operations.md says: under appendfsync always, every submit that returned; under everysec, a
 submit Redis lost with its last second of writes is lost whole (no record, job or queue entry is left), which the
 API answers with 404 unknown_request and which the client resubmits under the same request id.
 """

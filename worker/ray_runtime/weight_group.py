@@ -12,7 +12,7 @@ broadcasts the buffers from rank 0 in buckets of at most BUCKET_BYTES, all poste
 facade's snapshot record (snapshots.py) still keeps a reference in the object store, to rebuild a replica Ray
 restarts: the trainer makes it after the sync, so it delays the trainer's next call, not the sync.
 
-The NCCL path has not run: it needs two GPUs, and no machine with several has been lent (README).
+The NCCL path has not run: it needs two GPUs, and no machine with several has been lent (docs/gpu-and-ray.md).
 """
 
 import logging
