@@ -11,7 +11,7 @@ import pytest
 from redis import Redis
 
 from commands.redis_server import EmbeddedRedis
-from support.stack import ApiProc, WorkerProc
+from support.stack import ApiProc, WorkerProc, worker_env
 from tinkerq.config import QueueConfig
 
 
@@ -37,9 +37,12 @@ def fake() -> fakeredis.FakeRedis:
     return fakeredis.FakeRedis()
 
 
+QUEUE = {"num_shards": 4, "lease_ttl_ms": 3000, "seq_gap_timeout_s": 2.0}
+
+
 @pytest.fixture
 def config() -> QueueConfig:
-    return QueueConfig(num_shards=4, lease_ttl_ms=3000, seq_gap_timeout_s=2.0)
+    return QueueConfig(**QUEUE)
 
 
 @pytest.fixture
@@ -62,17 +65,40 @@ def start_worker(redis_url: str, config: QueueConfig, tmp_path: Path):
     started: list[WorkerProc] = []
 
     def start(*args: str, **env: str) -> WorkerProc:
-        base = {
-            "TINKERQ_RUNTIME": "reference",  # the tests' stand-in model unless a test asks for a real one
-            "TINKERQ_NUM_SHARDS": str(config.num_shards),
-            "TINKERQ_LEASE_TTL_MS": str(config.lease_ttl_ms),
-            "TINKERQ_SEQ_GAP_TIMEOUT_S": str(config.seq_gap_timeout_s),
-            "TINKERQ_CHECKPOINT_ROOT": str(tmp_path),
-        }
-        proc = WorkerProc(redis_url, {**base, **env}, list(args))
+        proc = WorkerProc(redis_url, {**worker_env(config, tmp_path), **env}, list(args))
         started.append(proc)
         return proc
 
     yield start
     for proc in started:
         proc.kill(signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def module_stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory):
+    """start_worker and start_api for processes that serve every test of a module (starting a worker with a real
+    model costs seconds): for tests that each keep to models of their own and need no fresh Redis. The database is
+    emptied once, before the first starts; what was started is stopped after the module's last test."""
+    Redis.from_url(redis_url).flushdb()
+    config, root = QueueConfig(**QUEUE), tmp_path_factory.mktemp("module-stack")
+    workers: list[WorkerProc] = []
+    apis: list[ApiProc] = []
+
+    def start_worker(*args: str, **env: str) -> WorkerProc:
+        workers.append(WorkerProc(redis_url, {**worker_env(config, root), **env}, list(args)))
+        return workers[-1]
+
+    def start_api(*args: str, **env: str) -> ApiProc:
+        base = {"TINKERQ_NUM_SHARDS": str(config.num_shards), "TINKERQ_CHECKPOINT_ROOT": str(root)}
+        apis.append(ApiProc(redis_url, {**base, **env}, args))
+        return apis[-1]
+
+    try:
+        yield start_worker, start_api
+    finally:
+        try:
+            for api in apis:
+                api.kill(signal.SIGTERM)
+        finally:
+            for worker in workers:
+                worker.kill(signal.SIGKILL)

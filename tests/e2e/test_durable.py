@@ -31,7 +31,7 @@ from worker.shards.fencing import Fence, FencedOut
 
 
 def torch_runtime(tmp_path: Path):
-    return build_runtime(RuntimeConfig(checkpoint_root=str(tmp_path / "ckpt"), runtime="torch"))
+    return build_runtime(RuntimeConfig(checkpoint_root=str(tmp_path / "ckpt"), runtime="torch", engine="torch"))
 
 
 def tensors(runtime, model_id: str) -> dict[str, torch.Tensor]:

@@ -18,10 +18,12 @@ BASE = "tinyq-micro"
 PROMPT = [5, 6, 7, 8, 9]
 
 
-@pytest.fixture
-def stack(start_worker, start_api, tmp_path):
+@pytest.fixture(scope="module")
+def stack(module_stack):
     """Worker (torch runtime) + two API processes on one port (each call may reach either, so what one
-    remembers the other must find in Redis) with a tiny forward_backward chunk size, so chunking happens."""
+    remembers the other must find in Redis) with a tiny forward_backward chunk size, so chunking happens. One stack
+    serves the module: each test trains models of its own."""
+    start_worker, start_api = module_stack
     start_worker(TINKERQ_RUNTIME="torch")
     api = start_api("--workers", "2", TINKERQ_FWDBWD_MAX_CHUNK_LEN="2")
     client = tinker.ServiceClient(base_url=api.url, api_key="tml-test-key")

@@ -41,7 +41,7 @@ def worker(server: RedisProc, tmp_path: Path):
 def standby_settles(server: RedisProc, tmp_path: Path, load: Load) -> None:
     """Another worker takes the shards once the stopped one's leases lapse and answers every acknowledged request
     exactly once; none is failed in RQ. (The reference runtime keeps models in memory, so what needs the stopped
-    worker's state gets its explicit model_state_lost; tests/test_durable.py covers state that survives.)"""
+    worker's state gets its explicit model_state_lost; tests/e2e/test_durable.py covers state that survives.)"""
     standby = WorkerProc(server.url, {
         "TINKERQ_RUNTIME": "reference", "TINKERQ_NUM_SHARDS": str(CONFIG.num_shards),
         "TINKERQ_LEASE_TTL_MS": str(CONFIG.lease_ttl_ms), "TINKERQ_CHECKPOINT_ROOT": str(tmp_path)})

@@ -397,7 +397,7 @@ def test_running_a_worker_in_process_leaves_the_signal_handlers_as_they_were(r, 
 def test_a_model_whose_worker_is_gone_gets_a_clear_state_lost_error(r, producer, config, tmp_path):
     create(producer)
     drain(r, config, tmp_path)  # this worker made the model in its memory, then went away
-    r.delete(keys.journal_key(M))  # ... and its durable record is gone too (tests/test_durable.py: when it is not)
+    r.delete(keys.journal_key(M))  # ... and its durable record is gone too (tests/e2e/test_durable.py: when it is not)
     after = [sample(producer, weights_version=0), producer.submit(OptimStepRequest(model_id=M, seq_id=1)),
              sample(producer, model_id="never-made:train:0")]
     drain(r, config, tmp_path)  # the next owner of the shard never saw it

@@ -41,7 +41,7 @@ from worker.ray_runtime import cluster
 pytestmark = pytest.mark.slow
 BASE = "tinyq-micro"
 NAMESPACE = "tinkerq-test-ray-queue"
-TOLERANCE = 1e-5  # sampled logprobs: the engine's batch composition differs (tests/test_ray_runtime.py: close)
+TOLERANCE = 1e-5  # sampled logprobs: the engine's batch composition differs (support/ray_helpers.py: close)
 SAMPLER_TRAINER = 1e-4  # the project's bound between what is sampled and what the trainer computes
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23], [30, 31]]
 WAIT_S = 240.0

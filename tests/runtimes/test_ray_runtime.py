@@ -365,7 +365,7 @@ def test_a_trainer_rank_killed_mid_step_comes_back_holding_the_models(runtimes, 
 
 def test_with_every_trainer_rank_killed_the_models_are_gone_and_the_trainer_serves_again(runtimes):
     """No survivor to copy from: the call fails (the consumer's durable restore rebuilds the models on their next
-    use, tests/test_durable.py), the trainer knows no model, and a new one trains as in process. Last in this module:
+    use, e2e/test_durable.py), the trainer knows no model, and a new one trains as in process. Last in this module:
     it drops every model the ranks held."""
     local, distributed = runtimes
     model = "orphan:train:0"

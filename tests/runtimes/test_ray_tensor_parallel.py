@@ -21,7 +21,7 @@ from support.ray_helpers import PROMPTS, config, create, step
 from worker.ray_runtime import cluster
 from worker.runtime.registry import build_runtime
 
-# vLLM's merged LoRA arithmetic against the trainer's, in float32 (tests/test_vllm_engine.py, MERGED_TOLERANCE)
+# vLLM's merged LoRA arithmetic against the trainer's, in float32 (tests/runtimes/test_vllm_engine.py, MERGED_TOLERANCE)
 TOLERANCE = 3e-4
 TP = dict(engine="vllm", vllm_tensor_parallel_size=2, vllm_max_loras=3, vllm_max_lora_rank=16)
 

@@ -20,8 +20,10 @@ DEADLINE_S = 10.0  # the shutdown bound: a process stops within a few seconds of
 
 def burst_worker(connection: Redis, config: QueueConfig, tmp_path: Path, **runtime: object) -> WorkerProcess:
     """An in-process worker over every shard, for draining queues in a test (run with burst=True); the reference
-    runtime unless the test asks for another."""
+    runtime unless the test asks for another, and beside the torch runtime the PyTorch engine unless it asks for vLLM
+    (starting a vLLM engine takes a CPU many seconds; tests/runtimes and the engine-parametrized tests are vLLM's)."""
     runtime.setdefault("runtime", "reference")
+    runtime.setdefault("engine", "torch")
     rt = build_runtime(RuntimeConfig(checkpoint_root=str(tmp_path / "ckpt"), **runtime))
     return WorkerProcess(connection, rt, config)
 
@@ -33,6 +35,19 @@ def wait_until(predicate, timeout: float = 15.0, what: str = "condition") -> Non
             return
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def worker_env(config: QueueConfig, root: Path) -> dict[str, str]:
+    """A `tinkerq worker`'s settings in a test: the queue's, its checkpoints under `root`, the reference runtime
+    unless the test asks for a real one, and beside the torch runtime the PyTorch engine unless it asks for vLLM."""
+    return {
+        "TINKERQ_RUNTIME": "reference",
+        "TINKERQ_ENGINE": "torch",
+        "TINKERQ_NUM_SHARDS": str(config.num_shards),
+        "TINKERQ_LEASE_TTL_MS": str(config.lease_ttl_ms),
+        "TINKERQ_SEQ_GAP_TIMEOUT_S": str(config.seq_gap_timeout_s),
+        "TINKERQ_CHECKPOINT_ROOT": str(root),
+    }
 
 
 def log_dir(env: dict[str, str]) -> Path:
