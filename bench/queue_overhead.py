@@ -39,7 +39,7 @@ from schemas.results import Result  # noqa: E402
 from tinkerq.config import QueueConfig  # noqa: E402
 
 BARE_QUEUE = "bench.bare"
-# --quick: a few seconds, enough to show every path answers (CI runs it; tests/test_readme_commands.py)
+# --quick: a few seconds, enough to show every path answers (CI runs it; tests/e2e/test_readme_commands.py)
 QUICK = {"n": 25, "warmup": 5, "batch": 8, "rounds": 3, "enqueues": 200}
 
 

@@ -1,5 +1,5 @@
 """docs/configuration.md, rendered from the settings classes: each setting's env variable, type, default and
-`Field(description=...)`, so the page cannot drift from the code (tests/test_configuration_docs.py compares them).
+`Field(description=...)`, so the page cannot drift from the code (tests/unit/test_configuration_docs.py compares them).
 
     python -m commands.config_docs           # write docs/configuration.md
     python -m commands.config_docs --check   # exit 1 if it differs from what the code renders
