@@ -8,6 +8,9 @@ VLLM_EXTRA ?= $(shell scripts/vllm-extra.sh $(PYTHON))
 EXTRAS  ?= test,dashboard,torch,api,ray$(if $(VLLM_EXTRA),$(comma)$(VLLM_EXTRA))$(if $(filter vllm,$(VLLM_EXTRA)),$(comma)gpu)
 STAMP   := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 PYTEST_ARGS ?=
+# Processes pytest runs the suite in (pytest-xdist): the e2e tests mostly wait on other processes, so two
+# fill a 2-core machine. 0 runs it in this process.
+PYTEST_WORKERS ?= 2
 # `make bench BENCH_ARGS=--quick`: a few seconds (what the tests run); see bench/queue_overhead.py --help
 BENCH_ARGS ?=
 MODEL   ?= tinyq-micro
@@ -41,7 +44,7 @@ browser:
 
 test: install browser
 	$(VENV)/bin/ruff check
-	TINKERQ_REQUIRE_VLLM=$(if $(VLLM_EXTRA),1,0) scripts/with-redis.sh $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	TINKERQ_REQUIRE_VLLM=$(if $(VLLM_EXTRA),1,0) scripts/with-redis.sh $(VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 demo: install
 	scripts/with-redis.sh $(VENV)/bin/tinkerq demo --model $(MODEL) $(DEMO_ARGS)

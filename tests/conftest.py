@@ -15,13 +15,27 @@ from support.stack import ApiProc, WorkerProc, worker_env
 from tinkerq.config import QueueConfig
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Where the suite runs in several processes (pytest-xdist, `--dist loadgroup`): a module's tests stay in one
+    process, so a module-scoped stack starts once; and the vLLM and Ray tests all run in one, one after another,
+    since two engines or Ray clusters at once would only fight over the cores."""
+    for item in items:
+        parts = item.path.relative_to(Path(__file__).parent).parts
+        group = "runtimes" if parts[0] == "runtimes" else "/".join(parts)
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
-    """REDIS_URL when given (the Makefile starts a private server), else a server of our own."""
-    if os.environ.get("REDIS_URL"):
+    """REDIS_URL when given (the Makefile starts a private server), else a server of our own. Each process of a
+    parallel run (pytest-xdist) has a server of its own: tests empty their database, and Redis's pub/sub reaches
+    every database of a server."""
+    if os.environ.get("REDIS_URL") and not os.environ.get("PYTEST_XDIST_WORKER"):
         yield os.environ["REDIS_URL"]
         return
     with EmbeddedRedis() as server:
+        os.environ["REDIS_URL"] = server.url  # what the processes a test starts (a demo) find, as users' do
         yield server.url
 
 
