@@ -55,6 +55,19 @@ def test_bench_quick(r: Redis, redis_url: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_tenant_latency_quick(r: Redis, redis_url: str, tmp_path: Path) -> None:
+    """bench/tenant_latency.py --quick (docs/benchmarks.md): both tenants' paths answer, the table, the JSON and
+    the histogram come out."""
+    out = tmp_path / "tenant_latency.json"
+    done = run(["bench/tenant_latency.py", "--quick", "--out", str(out)], redis_url, timeout=300)
+    for line in ("idle", "training back to back", "B's p99, A training / A idle", f"wrote {out}"):
+        assert line in done.stdout, done.stdout
+    report = json.loads(out.read_text())
+    assert report["quick"] and report["a_ops"]["p50_ms"] > 0 and report["b_busy"]["p99_ms"] > 0
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.slow
 def test_demo_quick(r: Redis, redis_url: str, tmp_path: Path) -> None:
     """`make demo` in three steps: the worker loads the README's model, the RL loop runs through the queue and
     writes its reward curve."""
