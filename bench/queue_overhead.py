@@ -32,40 +32,15 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.answers import BenchFailed, expect, percentiles  # noqa: E402
 from commands.redis_server import EmbeddedRedis  # noqa: E402
 from producer import Producer  # noqa: E402
 from schemas import CreateModelRequest, SampleRequest, SamplingParams  # noqa: E402
-from schemas.results import Result  # noqa: E402
 from tinkerq.config import QueueConfig  # noqa: E402
 
 BARE_QUEUE = "bench.bare"
 # --quick: a few seconds, enough to show every path answers (CI runs it; tests/e2e/test_readme_commands.py)
 QUICK = {"n": 25, "warmup": 5, "batch": 8, "rounds": 3, "enqueues": 200}
-
-
-class BenchFailed(SystemExit):
-    """An answer the bench waited for was not the one asked for: stop with what came back (exit status 1)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(f"queue_overhead: {message}")
-
-
-def expect(result: Result | None, kind: str, what: str, timeout: float, log: Path | None = None) -> Result:
-    """The answer, if it is a `kind` result; else stop the bench naming what came back (and the worker's log)."""
-    see = f"; worker log: {log}" if log else ""
-    if result is None:
-        raise BenchFailed(f"{what}: no answer within {timeout:g} s{see}")
-    if result.type == "error":
-        raise BenchFailed(f"{what}: ErrorResponse {result.code} ({result.status}): {result.error}{see}")
-    if result.type != kind:
-        raise BenchFailed(f"{what}: expected a {kind} result, got {result.type}{see}")
-    return result
-
-
-def percentiles(samples_s: list[float]) -> dict[str, float]:
-    ms = sorted(s * 1000 for s in samples_s)
-    return {"p50_ms": statistics.median(ms), "p90_ms": ms[int(0.9 * len(ms)) - 1],
-            "p99_ms": ms[int(0.99 * len(ms)) - 1], "mean_ms": statistics.fmean(ms)}
 
 
 def start(cmd: list[str], env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen:

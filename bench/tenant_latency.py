@@ -15,7 +15,6 @@ import json
 import os
 import platform
 import signal
-import statistics
 import sys
 import threading
 import time
@@ -28,6 +27,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.answers import expect, percentiles  # noqa: E402
 from commands.processes import TinkerqProc  # noqa: E402
 from commands.redis_server import EmbeddedRedis  # noqa: E402
 from producer import Producer  # noqa: E402
@@ -41,30 +41,9 @@ from schemas import (  # noqa: E402
     SampleRequest,
     SamplingParams,
 )
-from schemas.results import Result  # noqa: E402
 from tinkerq.config import QueueConfig  # noqa: E402
 
 QUICK = {"samples": 8, "fb_datums": 2, "fb_tokens": 32}
-
-
-class BenchFailed(SystemExit):
-    """An answer the bench waited for was not the one asked for: stop with what came back (exit status 1)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(f"tenant_latency: {message}")
-
-
-def expect(result: Result | None, kind: str, what: str, log: Path) -> Result:
-    if result is None or result.type != kind:
-        answer = "no answer" if result is None else f"{result.type} {getattr(result, 'error', '')}"
-        raise BenchFailed(f"{what}: expected {kind}, got {answer}; worker log: {log}")
-    return result
-
-
-def percentiles(seconds: list[float]) -> dict[str, float]:
-    ms = sorted(s * 1000 for s in seconds)
-    return {"p50_ms": statistics.median(ms), "p90_ms": ms[max(0, int(0.9 * len(ms)) - 1)],
-            "p99_ms": ms[max(0, int(0.99 * len(ms)) - 1)], "max_ms": ms[-1]}
 
 
 def tenant_b(producer: Producer, n: int, label: str, log: Path) -> list[float]:
@@ -75,7 +54,7 @@ def tenant_b(producer: Producer, n: int, label: str, log: Path) -> list[float]:
     for _ in tqdm(range(n), desc=f"B's samples, A {label}", leave=False):
         t0 = time.perf_counter()
         ticket = producer.submit(request)
-        expect(producer.wait(ticket.request_id, 120), "sample", f"B's sample {ticket.request_id}", log)
+        expect(producer.wait(ticket.request_id, 120), "sample", f"B's sample {ticket.request_id}", 120, log)
         latencies.append(time.perf_counter() - t0)
     return latencies
 
@@ -88,7 +67,7 @@ def tenant_a(producer: Producer, datums: list[Datum], stop: threading.Event, log
         for request in step:
             t0 = time.perf_counter()
             ticket = producer.submit(request)
-            expect(producer.wait(ticket.request_id, 300), request.kind, f"A's {request.kind}", log)
+            expect(producer.wait(ticket.request_id, 300), request.kind, f"A's {request.kind}", 300, log)
             ops.append(time.perf_counter() - t0)
 
 
@@ -141,7 +120,8 @@ def main() -> None:
         for model in ("tenant-a", "tenant-b"):
             ticket = producer.submit(CreateModelRequest(model_id=model, base_model=args.base,
                                                         lora=LoraConfig(rank=8)))
-            expect(producer.wait(ticket.request_id, 600), "create_model", f"create {model}", worker.log_path)
+            expect(producer.wait(ticket.request_id, 600), "create_model", f"create {model}", 600,
+                   worker.log_path)
         tenant_b(producer, 3, "idle (warm-up)", worker.log_path)
         idle = tenant_b(producer, args.samples, "idle", worker.log_path)
         stop, ops = threading.Event(), []
@@ -155,9 +135,9 @@ def main() -> None:
     report = {
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, Python {platform.python_version()}",
         "engine": args.engine, "base": args.base, "a_op": {"datums": args.fb_datums, "tokens": args.fb_tokens},
-        "b_idle": percentiles(idle), "b_busy": percentiles(busy), "a_ops": percentiles(ops),
-        "p99_ratio": percentiles(busy)["p99_ms"] / percentiles(idle)["p99_ms"], "quick": args.quick,
+        "b_idle": percentiles(idle), "b_busy": percentiles(busy), "a_ops": percentiles(ops), "quick": args.quick,
     }
+    report["p99_ratio"] = report["b_busy"]["p99_ms"] / report["b_idle"]["p99_ms"]
     print(f"\n{'tenant B, A is':<24}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'max ms':>9}")
     for label, key in (("idle", "b_idle"), ("training back to back", "b_busy")):
         p = report[key]
