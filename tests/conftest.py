@@ -11,7 +11,7 @@ import pytest
 from redis import Redis
 
 from commands.redis_server import EmbeddedRedis
-from support.stack import ApiProc, WorkerProc, worker_env
+from support.stack import ApiProc, WorkerProc, api_env, worker_env
 from tinkerq.config import QueueConfig
 
 
@@ -64,8 +64,7 @@ def start_api(redis_url: str, config: QueueConfig, tmp_path: Path):
     started: list[ApiProc] = []
 
     def start(*args: str, **env: str) -> ApiProc:
-        base = {"TINKERQ_NUM_SHARDS": str(config.num_shards), "TINKERQ_CHECKPOINT_ROOT": str(tmp_path)}
-        proc = ApiProc(redis_url, {**base, **env}, args)
+        proc = ApiProc(redis_url, {**api_env(config, tmp_path), **env}, args)
         started.append(proc)
         return proc
 
@@ -103,8 +102,7 @@ def module_stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory):
         return workers[-1]
 
     def start_api(*args: str, **env: str) -> ApiProc:
-        base = {"TINKERQ_NUM_SHARDS": str(config.num_shards), "TINKERQ_CHECKPOINT_ROOT": str(root)}
-        apis.append(ApiProc(redis_url, {**base, **env}, args))
+        apis.append(ApiProc(redis_url, {**api_env(config, root), **env}, args))
         return apis[-1]
 
     try:

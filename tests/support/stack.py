@@ -37,6 +37,11 @@ def wait_until(predicate, timeout: float = 15.0, what: str = "condition") -> Non
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def api_env(config: QueueConfig, root: Path) -> dict[str, str]:
+    """A `tinkerq api`'s settings in a test: the queue's shard count, and the checkpoint root its paths resolve in."""
+    return {"TINKERQ_NUM_SHARDS": str(config.num_shards), "TINKERQ_CHECKPOINT_ROOT": str(root)}
+
+
 def worker_env(config: QueueConfig, root: Path) -> dict[str, str]:
     """A `tinkerq worker`'s settings in a test: the queue's, its checkpoints under `root`, the reference runtime
     unless the test asks for a real one, and beside the torch runtime the PyTorch engine unless it asks for vLLM."""
