@@ -48,8 +48,9 @@ class QueueConfig(BaseSettings):
         "How long a worker waits for an unreachable Redis (killed, restarting, frozen) before it gives up and exits "
         "non-zero."))
     redis_socket_timeout_s: float = Field(10.0, gt=0, description=(
-        "A worker's Redis call (connect, read) fails after this long without a reply, and counts as an outage, so "
-        "a frozen Redis never blocks it forever. Must exceed tick_s, the worker's blocking wait."))
+        "A worker's or API process's Redis call (connect, read) fails after this long without a reply (for a "
+        "worker, an outage it rides out), so a frozen Redis never blocks either forever. Must exceed tick_s, the "
+        "worker's blocking wait."))
     stop_grace_s: float = Field(5.0, gt=0, description=(
         "After SIGTERM/SIGINT the worker finishes the job in hand for at most this long, then exits anyway "
         "(status 0); what it had in hand stays in Redis for the next owner (worker/shutdown.py)."))
