@@ -42,6 +42,13 @@ class QueueConfig(BaseSettings):
     batch_admit_s: float = Field(30.0, ge=0, description=(
         "How long a running batch takes in samples that arrive meanwhile (continuous batching); then the batch "
         "drains, and the next job in the shard queue (a sync, a training op, another shard's job) gets its turn."))
+    lanes: bool = Field(True, description=(
+        "Sample while training: the worker's sampling lane serves samples on the engine while its training lane (the "
+        "RQ loop) runs training ops, and takes queued samples whose pinned weights the engine holds ahead of the "
+        "training ops queued before them. Off: one job at a time, in queue order (the serial schedule)."))
+    lane_poll_s: float = Field(0.01, gt=0, description=(
+        "While the training lane runs an op, how often the idle sampling lane looks in the shard queues for samples "
+        "it may serve (a sample waits about half of this longer than on an idle worker)."))
     tick_s: int = Field(1, ge=1, description=(
         "The worker's idle loop period, and how long its blocking waits (BLPOP) last, in seconds."))
     redis_outage_s: float = Field(300.0, gt=0, description=(

@@ -15,7 +15,7 @@ from rq.exceptions import StopRequested
 from rq.job import Job
 
 from schemas import ErrorResponse, Limits
-from tinkerq import keys
+from tinkerq import keys, queues
 from tinkerq.config import QueueConfig
 from tinkerq.jobs import JobSerializer
 from tinkerq.keys import shard_of_queue
@@ -76,7 +76,7 @@ class WorkerProcess:
         self.membership = Membership(connection, self.name, self.config.lease_ttl_ms) if balanced else None
         self.share = len(self.wanted)
         self.claimer = Claimer(connection, self.fence)
-        self.dispatcher = Dispatcher(connection, runtime, self.fence, self.config, limits)
+        self.dispatcher = Dispatcher(connection, runtime, self.fence, self.config, limits, self.name)
         self.preloader = Preloader(connection, runtime, self.config.preload_bases, self.wanted)
         self.rq_worker: ShardWorker | None = None
         self._stopping = self.dispatcher.sampling.stopping
@@ -146,6 +146,9 @@ class WorkerProcess:
         self._keeper_stop.clear()
         keeper = threading.Thread(target=self._keep_leases, name="tinkerq-lease-keeper", daemon=True)
         keeper.start()
+        lane = self.dispatcher.lane
+        if lane is not None:
+            lane.start()
         outage: Exception | None = None
         try:
             while not self._stopping.is_set():
@@ -161,6 +164,8 @@ class WorkerProcess:
                     break
         finally:
             self._stopping.set()
+            if lane is not None:  # it serves what it was handed, as RQ's loop finishes its job in hand
+                lane.stop(self.config.stop_grace_s if self._signalled() or not burst else None)
             try:
                 if self.draining.is_set():
                     self._make_durable()
@@ -212,8 +217,14 @@ class WorkerProcess:
         self.rq_worker.work(burst=burst, logging_level=logging_level, dequeue_strategy="round_robin")
         if self.rq_worker.outage is not None:
             raise self.rq_worker.outage
+        if burst and self.dispatcher.lane is not None and not self._signalled():
+            self.dispatcher.lane.wait_idle()  # a sample it failed to serve is back in its queue, to be served alone
+            return self._queued() and self.rq_worker.stop_reason is None
         # a signal, or RQ gave up (its own log says why)
         return not burst and self.rq_worker.stop_reason is not None and not self._signalled()
+
+    def _queued(self) -> bool:
+        return any(queues.lengths(self.connection, [keys.queue_key(shard) for shard in sorted(self.fence.tokens)]))
 
     def _standby_wait(self) -> None:
         """Sleep until the first wanted lease may lapse (a dead owner's stops being renewed), at most a tick: a

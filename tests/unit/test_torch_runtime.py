@@ -187,7 +187,7 @@ def test_stop_tokens_stop_strings_and_length(rt):
 
 def test_eos_stops_unless_stop_is_empty(rt):
     model = new_model(rt)
-    base = rt.trainer.models[model].base
+    base = rt.engine.base_of[model]  # the engine's own copy of the base (it samples while the trainer trains)
     eos = base.tokenizer.eos_token_id
     with torch.no_grad():  # make EOS overwhelmingly likely through the base's unembedding bias-free row
         base.model.base_model.model.lm_head.base_layer.weight[eos] *= 0

@@ -107,6 +107,9 @@ class PendingCheckpoint:
 class Engine(ABC):
     """Batched generation over weight snapshots addressed by (model id, version)."""
 
+    # `make_room` lends the trainer this engine's device memory (vLLM's sleep mode): no generation during a pass
+    sleeps_for_training = False
+
     @abstractmethod
     def add_model(self, model_id: str, base_model: str, weights: Any, version: int = 0) -> None:
         """Register a model whose first version (0, or another when restored) is `weights` (as exported by the

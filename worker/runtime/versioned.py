@@ -1,5 +1,7 @@
 """Serve requests against a trainer and an engine, enforcing snapshot and version semantics."""
 
+from collections.abc import Callable
+from contextlib import nullcontext
 from typing import TypeVar
 
 from schemas import (
@@ -38,15 +40,21 @@ from worker.runtime.base import (
     servable,
     unknown_model,
 )
+from worker.runtime.engine_gate import EngineGate
 
 # The requests that name a model this worker must hold (`_known`), returned as they came.
 ModelOp = TypeVar("ModelOp", ForwardRequest, OptimStepRequest, SaveStateRequest, WeightSyncRequest)
 
 
 class Runtime:
+    """A trainer and an engine, called from two threads: the training lane's (`execute` and the model changes) and
+    the sampling lane's (`sample_stream`). Every change to the engine's models and every run of generation holds
+    the engine's `gate`; the trainer is the training lane's alone."""
+
     def __init__(self, trainer: Trainer, engine: Engine) -> None:
         self.trainer = trainer
         self.engine = engine
+        self.gate = EngineGate()
         self._applied: dict[str, int] = {}
         self._paths: dict[tuple[str, int], str] = {}
 
@@ -59,8 +67,10 @@ class Runtime:
                 return self._create(request)
             case ForwardBackwardRequest() | ForwardRequest():
                 self._known(request)
-                self.engine.make_room()
-                return self.trainer.forward(request, backward=isinstance(request, ForwardBackwardRequest))
+                # an engine that lends the trainer its memory must not generate until the pass is over
+                with self.gate.hold() if self.engine.sleeps_for_training else nullcontext():
+                    self.engine.make_room()
+                    return self.trainer.forward(request, backward=isinstance(request, ForwardBackwardRequest))
             case OptimStepRequest():
                 return self.trainer.optim_step(self._known(request))
             case SaveStateRequest():
@@ -93,20 +103,23 @@ class Runtime:
     def _create(self, request: CreateModelRequest) -> CreateModelOutput:
         if self.trainer.has_model(request.model_id):
             raise DomainError(409, "model_exists", f"model {request.model_id!r} already exists")
-        self.engine.check_create(request)
+        with self.gate.hold():
+            self.engine.check_create(request)
         output = self.trainer.create_model(request)
         self._register(request.model_id)
         return output
 
     def _load(self, request: LoadStateRequest) -> LoadStateOutput:
         output = self.trainer.load_state(request)
-        self.engine.remove_model(request.model_id)
+        with self.gate.hold():
+            self.engine.remove_model(request.model_id)
         self._register(request.model_id)
         return output
 
     def _register(self, model_id: str) -> None:
         weights = self.trainer.export_weights(model_id)
-        self.engine.add_model(model_id, self.trainer.base_model(model_id), weights)
+        with self.gate.hold():
+            self.engine.add_model(model_id, self.trainer.base_model(model_id), weights)
         self._applied[model_id] = 0
 
     def warm(self, base_model: str) -> None:
@@ -114,12 +127,14 @@ class Runtime:
         taken over later pays neither (worker/shards/preload.py). DomainError for a base this deployment does
         not serve."""
         self.trainer.warm(base_model)
-        self.engine.warm(base_model)
+        with self.gate.hold():
+            self.engine.warm(base_model)
 
     def forget(self, model_id: str) -> None:
         """Drop the model from this worker's memory (a stale copy, about to be rebuilt from its journal)."""
         self.trainer.remove_model(model_id)
-        self.engine.remove_model(model_id)
+        with self.gate.hold():
+            self.engine.remove_model(model_id)
         self._applied.pop(model_id, None)
         self._paths = {key: path for key, path in self._paths.items() if key[0] != model_id}
 
@@ -143,11 +158,12 @@ class Runtime:
         """The model's whole state as it is now, to be written later (PendingCheckpoint.write, on a side thread
         where `off_thread`); None as for checkpoint()."""
         snapshots = {}
-        for version in self.engine.live_versions(model_id):
-            weights = self.engine.snapshot_weights(model_id, version)
-            if weights is None:
-                return None
-            snapshots[version] = weights
+        with self.gate.hold():
+            for version in self.engine.live_versions(model_id):
+                weights = self.engine.snapshot_weights(model_id, version)
+                if weights is None:
+                    return None
+                snapshots[version] = weights
         persisted = {version: path for (model, version), path in self._paths.items() if model == model_id}
         applied = self._applied.get(model_id, 0)
         writer = self.trainer.durable_writer(model_id, snapshots)
@@ -164,12 +180,11 @@ class Runtime:
         snapshots = self.trainer.load_durable(model_id, checkpoint.path)
         versions = sorted(snapshots)
         base = self.trainer.base_model(model_id)
-        if versions:
-            self.engine.add_model(model_id, base, snapshots[versions[0]], version=versions[0])
-        else:
-            self.engine.add_model(model_id, base, self.trainer.export_weights(model_id))
-        for version in versions[1:]:
-            self.engine.apply_weights(model_id, version, snapshots[version])
+        first = snapshots[versions[0]] if versions else self.trainer.export_weights(model_id)
+        with self.gate.hold():
+            self.engine.add_model(model_id, base, first, version=versions[0] if versions else 0)
+            for version in versions[1:]:
+                self.engine.apply_weights(model_id, version, snapshots[version])
         self._applied[model_id] = checkpoint.applied
         self._paths.update({(model_id, version): path for version, path in checkpoint.persisted.items()})
 
@@ -183,7 +198,9 @@ class Runtime:
             return WeightSyncOutput(model_id=model_id, version=version, persisted=path is not None, path=path,
                                     applied=False)
         path = saved or (self.trainer.save_sampler_weights(model_id, request.name) if request.persist else None)
-        self.engine.apply_weights(model_id, version, self.trainer.export_weights(model_id))
+        weights = self.trainer.export_weights(model_id)
+        with self.gate.hold():
+            self.engine.apply_weights(model_id, version, weights)
         self._applied[model_id] = version
         if path is not None:
             self._paths[(model_id, version)] = path
@@ -199,9 +216,13 @@ class Runtime:
         def pinned(admitted: Keyed, reload: bool) -> Keyed:
             return [(key, request) for key, _, request in servable(admitted, done, lambda r: self._pin(r, reload))]
 
-        first = pinned(items, reload=True)  # nothing runs yet: an evicted persisted snapshot may be read back
-        if first:
-            self.engine.generate_stream(first, done, (lambda accept: pinned(admit(accept), False)) if admit else None)
+        def more(accept: Callable[[SampleRequest], bool]) -> Keyed:
+            return [] if admit is None or self.gate.wanted() else pinned(admit(accept), False)
+
+        with self.gate.hold():
+            first = pinned(items, reload=True)  # nothing runs yet: an evicted persisted snapshot may be read back
+            if first:
+                self.engine.generate_stream(first, done, more)
 
     def needs_reload(self, request: SampleRequest) -> bool:
         """Whether serving the request first reads a persisted snapshot back from its archive (so it must not join

@@ -16,7 +16,7 @@ even be loaded, is left in the queue to be answered on its own turn, and fails n
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from redis import Redis
@@ -30,10 +30,19 @@ from tinkerq import keys, queues
 from tinkerq.jobs import JobSerializer
 from worker.consumer.admission import Admission, Admitted, job_id
 from worker.consumer.batched import BatchedList
+from worker.consumer.claim import intermediate_key
 from worker.consumer.rq_worker import AllowlistJob
 from worker.shards.fencing import Fence
 
 log = logging.getLogger(__name__)
+
+
+# Whether the engine holds a model's weights version now (a sample pinned to it depends on nothing still queued).
+Ready = Callable[[str, int], bool]
+# The jobs a sample pinned to weights the engine holds may pass: they change the trainer, never the engine's
+# snapshots. A sync may evict the snapshot, a create or load replace the model: a sample queued behind one waits.
+PASSABLE = frozenset({b"forward", b"forward_backward", b"optim_step", b"save_state", b"create_custom_loss",
+                      b"delete_checkpoint"})
 
 
 @dataclass(frozen=True)
@@ -58,35 +67,47 @@ class Batcher:
         return self._batched[shard]
 
     def take(self, queue_key: str, shard: int, limit: int, accept: Callable[[SampleRequest], bool] | None = None,
-             before_any_barrier: bool = False) -> list[Taken]:
-        """Take up to `limit` queued samples that may be served now (and that `accept` takes), in queue order;
-        with `before_any_barrier`, only those ahead of every queued non-sample job."""
+             before_any_barrier: bool = False, ready: Ready | None = None,
+             exclude: Collection[str] = ()) -> list[Taken]:
+        """Take up to `limit` queued samples that may be served now (and that `accept` takes), in queue order:
+        those with no job of their model queued ahead of them; with `before_any_barrier`, only those ahead of every
+        queued non-sample job; with `ready` (the sampling lane's look-ahead), those pinned to weights that `ready`
+        says the engine holds, even past their model's training ops (never past a sync, create or load).
+        None of `exclude`."""
         if limit <= 0:
             return []
-        candidates = self._servable_ids(queue_key, limit, before_any_barrier)
+        candidates = [rid for rid in self._servable_ids(queue_key, limit, before_any_barrier, ready)
+                      if rid not in exclude]
         loaded = {c.request_id: c for c in self._load(shard, candidates) if accept is None or accept(c.request)}
         return [loaded[rid] for rid in self.batched(shard).take_from(queue_key, list(loaded))]
 
-    def _servable_ids(self, queue_key: str, limit: int, before_any_barrier: bool) -> list[str]:
+    def take_claimed(self, queue_key: str, shard: int, taken: Taken) -> bool:
+        """Move a job the RQ loop claimed (worker/consumer/claim.py) into the batched list, in one fenced step: the
+        sampling lane serves it from there, and recovery finds it there after a crash. False if it was not claimed."""
+        return bool(self.batched(shard).take_from(intermediate_key(queue_key), [taken.request_id]))
+
+    def _servable_ids(self, queue_key: str, limit: int, before_any_barrier: bool, ready: Ready | None) -> list[str]:
         # an entry that is no request id is left for the pop to drop
         ids = [rid for rid in map(job_id, self.connection.lrange(queue_key, 0, 2 * limit - 1)) if rid is not None]
         if not ids:
             return []
         with self.connection.pipeline(transaction=False) as pipe:
             for rid in ids:
-                pipe.hmget(keys.request_key(rid), "kind", "model")
+                pipe.hmget(keys.request_key(rid), "kind", "model", "version")
             records = pipe.execute(raise_on_error=False)  # a key of another type is an error for that id alone
-        blocked: set[str] = set()
+        blocked: dict[bytes, bool] = {}  # model -> whether a job it may not pass is queued ahead (else: passable ones)
         picked: list[str] = []
         for rid, record in zip(ids, records):
-            kind, model = (None, None) if isinstance(record, Exception) else record
+            kind, model, version = (None, None, None) if isinstance(record, Exception) else record
             if kind is None:
                 continue  # no record (malformed or foreign job): it gets its own error when popped
             if kind != b"sample":
                 if before_any_barrier:
                     break
-                blocked.add(model)
-            elif model not in blocked:
+                blocked[model] = blocked.get(model, False) or kind not in PASSABLE
+            elif (model not in blocked if ready is None  # the RQ loop's own run: every job before it has run
+                  # the lane's: the RQ loop may be running a job of this model right now (claimed, out of the queue)
+                  else not blocked.get(model) and version is not None and ready(model.decode(), int(version))):
                 picked.append(rid)
                 if len(picked) == limit:
                     break
@@ -210,3 +231,34 @@ class EngineRun:
             self.unfinished[item.request_id] = item
             self.requests[item.request_id] = item.request
         return [(item.request_id, item.request) for item in taken]
+
+
+# The samples the RQ loop handed the sampling lane for a shard, up to a count, that a predicate accepts (the others
+# stay with the lane for a later run).
+Handed = Callable[[int, int, Callable[[SampleRequest], bool]], list[Taken]]
+
+
+class LaneRun(EngineRun):
+    """An engine run of the sampling lane (worker/serving/sampling_lane.py): every request in it was taken, none is
+    RQ's job at hand. It admits, between steps and for `admit_s` at most, what the RQ loop handed the lane for
+    this shard (`handed`) and the queued samples whose weights the engine holds (`ready`), whatever else is
+    queued: the training lane runs the rest at the same time."""
+
+    def __init__(self, batcher: Batcher, queue_key: str, shard: int, max_requests: int, admit_s: float,
+                 store: Callable[[list[tuple[str, Result]]], object], worker_name: str | None,
+                 stopping: Callable[[], bool], handed: Handed, ready: Ready) -> None:
+        super().__init__(batcher, queue_key, shard, max_requests, admit_s, [], store, worker_name, stopping)
+        self.handed, self.ready = handed, ready
+
+    def start_taken(self, taken: list[Taken]) -> list[tuple[str, SampleRequest]]:
+        return self._take(taken) + self._take(self.batcher.take(self.queue_key, self.shard,
+                                                                self.max_requests - len(taken), ready=self.ready))
+
+    def admit(self, accept: Callable[[SampleRequest], bool]) -> list[tuple[str, SampleRequest]]:
+        self.flush()
+        room = self.max_requests - len(self.unfinished)
+        if room <= 0 or time.monotonic() > self.admit_until or self.stopping():
+            return []
+        handed = self._take(self.handed(self.shard, room, accept))
+        return handed + self._take(self.batcher.take(self.queue_key, self.shard, room - len(handed), accept,
+                                                     ready=self.ready))

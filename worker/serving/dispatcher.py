@@ -1,7 +1,10 @@
-"""Turn one dequeued job into exactly one stored result (or a parked training op): samples go to the engine
-(`sampling`), training ops to the sequencer, which runs them in seq_id order (`training_ops`)."""
+"""Turn one dequeued job into exactly one stored result (or a parked training op): samples go to the engine (the
+sampling lane, or `sampling` right here), training ops to the sequencer, which runs them in seq_id order
+(`training_ops`)."""
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from redis import Redis
@@ -14,6 +17,7 @@ from worker.consumer.admission import Admission, Refused
 from worker.runtime import Runtime
 from worker.serving.results import ResultStore, classify, summary
 from worker.serving.sampling import Sampling
+from worker.serving.sampling_lane import SamplingLane
 from worker.serving.sequencing import Sequencer
 from worker.serving.training_ops import TrainingOps
 from worker.shards.fencing import Fence, FencedOut
@@ -31,7 +35,7 @@ class Dispatcher:
     entry when durable; a job whose result is already stored is skipped."""
 
     def __init__(self, connection: Redis, runtime: Runtime, fence: Fence, config: QueueConfig,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, name: str = "") -> None:
         self.connection = connection
         self.runtime = runtime
         self.admission = Admission(config, limits or LimitsConfig())
@@ -41,6 +45,10 @@ class Dispatcher:
                                  self.training.restorer)
         self.sequencer = Sequencer(connection, fence, config.seq_gap_timeout_s, self.training.execute,
                                    self.results.store_result, self.admission)
+        # the RQ loop is the training lane; with lanes on, samples are served beside it (serving/sampling_lane.py)
+        self.lane = SamplingLane(self.sampling, runtime, fence, config, name) if config.lanes else None
+        if self.lane is not None:
+            self.training.quiesced = self.lane.quiesced
 
     def handle(self, job: Job) -> dict[str, Any]:
         """Serve a job the worker admitted, or answer the refusal of its payload (worker/consumer/admission.py)."""
@@ -55,8 +63,31 @@ class Dispatcher:
             return summary(rid, verdict.error)
         request = verdict.request
         if isinstance(request, SampleRequest):
-            return self.sampling.serve(job, shard, rid, request)
-        return {"request_id": rid, "seq": self.sequencer.submit(shard, rid, request)}
+            return self._sample(job, shard, rid, request)
+        with self._training_lane():
+            return {"request_id": rid, "seq": self.sequencer.submit(shard, rid, request)}
+
+    def _sample(self, job: Job, shard: int, rid: str, request: SampleRequest) -> dict[str, Any]:
+        """Hand the sample to the sampling lane once its model is ready here (rebuilt from its journal by this, the
+        training lane, if need be); else, or with lanes off, serve it here."""
+        if self.lane is not None:
+            answer = lambda _, lost: self.results.store_result(shard, rid, lost)
+            if not self.sampling.ready_here([(rid, request)], answer):
+                return {"request_id": rid, "type": "sample", "lost": True}
+            if self.lane.hand_off(job, shard, rid, request):
+                return {"request_id": rid, "type": "sample", "lane": "sampling"}
+        return self.sampling.serve(job, shard, rid, request)
+
+    @contextmanager
+    def _training_lane(self) -> Iterator[None]:
+        """While a training op runs, the sampling lane looks ahead in the queues for samples it may serve."""
+        if self.lane is not None:
+            self.lane.training.set()
+        try:
+            yield
+        finally:
+            if self.lane is not None:
+                self.lane.training.clear()
 
     def make_durable(self, shards: list[int]) -> int:
         """Checkpoint every model this worker holds up to date on `shards` (what a drain does); how many were
@@ -81,3 +112,4 @@ class Dispatcher:
                           job.id, job.origin)
                 return
             self.results.fail(shard, job.id, classify(exc_type, exc))
+

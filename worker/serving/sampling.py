@@ -47,30 +47,49 @@ class Sampling:
                                  self.config.batch_admit_s, others,
                                  lambda results: self.results.store_results(shard, results),
                                  job.worker_name, self.stopping.is_set)
+        done = self._done(run)
+        self._run(run, self.ready_here(run.start(rid, request), done), done, rid)
+        return {"request_id": rid, "type": "sample", "batch": len(run.requests)}
 
+    def serve_taken(self, shard: int, taken: list[batching.Taken], worker_name: str, handed: batching.Handed,
+                    ready: batching.Ready, stopping: Callable[[], bool]) -> batching.LaneRun:
+        """The sampling lane's run on one shard: `taken` (already in the shard's batched list; their models ready
+        here) and what the run admits; the run, once over."""
+        run = batching.LaneRun(self.batcher, keys.queue_key(shard), shard, self.config.max_batch_requests,
+                               self.config.batch_admit_s, lambda results: self.results.store_results(shard, results),
+                               worker_name, lambda: self.stopping.is_set() or stopping(), handed, ready)
+        self._run(run, run.start_taken(taken), self._done(run), None)
+        return run
+
+    def _done(self, run: batching.EngineRun) -> Callable[[str, Result], None]:
         def done(each_rid: str, result: Result) -> None:
             each = run.requests[each_rid]
             if isinstance(result, SampleOutput):
-                self.stability.record(shard, each, result)  # now: before its result can be stored
+                self.stability.record(run.shard, each, result)  # now: before its result can be stored
             run.record_served(each_rid, self.results.state_lost(each.model_id, result))
+        return done
 
+    def _run(self, run: batching.EngineRun, items: Keyed, done: Callable[[str, Result], None],
+             own: str | None) -> None:
+        """Serve `items` and what the run admits. On a failure the unserved ones go back to the queue's head (each
+        is retried on its own), and it is raised unless `own`, the job at hand, was served already."""
         try:
-            self.runtime.sample_stream(self._restored(run.start(rid, request), done), done, self._admit(run))
+            self.runtime.sample_stream(items, done, self._admit(run))
         except Exception:
-            run.release()  # each will be retried on its own
-            if rid not in run.served:
+            run.release()
+            if own is None or own not in run.served:
                 raise
             # this job's own sample was served: the failure belongs to samples it took in, now back in the queue
-            log.exception("the engine failed after %s was served; the samples it had taken in are requeued", rid)
+            log.exception("the engine failed after %s was served; the samples it had taken in are requeued", own)
         except BaseException:
             run.release()
             raise
         finally:
             run.flush()
-        return {"request_id": rid, "type": "sample", "batch": len(run.requests)}
 
-    def _restored(self, items: Keyed, done: Callable[[str, Result], None]) -> Keyed:
-        """The items whose model is ready here (rebuilt from its journal if need be); the others answered."""
+    def ready_here(self, items: Keyed, done: Callable[[str, Result], None]) -> Keyed:
+        """The items whose model is ready here (rebuilt from its journal if need be: the training lane's work, never
+        the sampling lane's); the others answered."""
         ready, checked = [], {}  # one check per model, not per sample: a batch may hold hundreds
         for each_rid, each in items:
             if each.base_model is None and self.config.durable and each.model_id not in checked:

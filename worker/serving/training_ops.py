@@ -7,6 +7,8 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 from redis import Redis
 
@@ -17,11 +19,13 @@ from schemas import (
     DeleteCheckpointOutput,
     DeleteCheckpointRequest,
     LoadStateOutput,
+    LoadStateRequest,
     OptimStepRequest,
     Request,
     Result,
     SaveStateOutput,
     WeightSyncOutput,
+    WeightSyncRequest,
 )
 from tinkerq import keys
 from tinkerq.config import QueueConfig
@@ -48,9 +52,19 @@ class TrainingOps:
         self.journal = Journal(connection)
         self.restorer = Restorer(connection, runtime, self.journal)
         self.checkpointer = Checkpointer(runtime, fence, self.journal, config.durable_every, config.durable_async)
+        # Around an op that changes the model's weights in the engine: the sampling lane first serves the samples
+        # of it handed over before (worker/serving/sampling_lane.py); nothing to wait for without lanes.
+        self.quiesced: Callable[[str], AbstractContextManager[None]] = lambda model_id: nullcontext()
 
     def execute(self, shard: int, rid: str, request: Request) -> None:
         """Run one op whose turn came, and store its one result."""
+        if isinstance(request, (WeightSyncRequest, LoadStateRequest)):
+            with self.quiesced(request.model_id):
+                self._execute(shard, rid, request)
+        else:
+            self._execute(shard, rid, request)
+
+    def _execute(self, shard: int, rid: str, request: Request) -> None:
         request = reproducible(request)
         if self.config.durable and not isinstance(request, (DeleteCheckpointRequest, CreateCustomLossRequest)):
             lost = self.restorer.ensure(request.model_id)

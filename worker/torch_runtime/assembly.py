@@ -32,7 +32,9 @@ def make_engine(config: RuntimeConfig, bases: BaseModels, need: TrainerNeed | No
 
         trainer_model = None if trainer is None else (lambda base: trainer.bases.get(base).model)
         return VllmEngine(config, bases.catalog, need, trainer_model)
-    return TorchEngine(bases, config.max_snapshots)
+    # Its own copy of each base, not the trainer's: the engine samples while the trainer trains (the lanes), and
+    # peft keeps a model's active adapter and its set of adapters on the module itself.
+    return TorchEngine(BaseModels(config.device, config.dtype, bases.catalog), config.max_snapshots)
 
 
 def trainer_need(trainer: TorchTrainer, config: RuntimeConfig) -> TrainerNeed:

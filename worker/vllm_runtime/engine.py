@@ -195,6 +195,10 @@ class VllmEngine(Engine):
 
     # -- sleep mode: the trainer borrows the engine's memory ---------------------------------------
 
+    @property
+    def sleeps_for_training(self) -> bool:  # type: ignore[override]
+        return self.sleep_mode
+
     def make_room(self) -> None:
         """Sleep mode: before a forward pass of the trainer, vLLM (level 1) copies its weights (LoRA slots included:
         they are allocated with them) to host memory and drops its KV cache and prefix cache, handing that device
