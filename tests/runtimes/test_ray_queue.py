@@ -16,6 +16,7 @@ import pytest
 import ray  # the `ray` extra is part of `make test`: a missing one fails here, never skips
 import torch
 from redis import Redis
+from rq.job import Job
 
 from commands.redis_server import free_port
 from producer import Producer
@@ -34,8 +35,9 @@ from schemas import (
     SamplingParams,
     WeightSyncRequest,
 )
-from support.stack import WorkerProc, burst_worker
+from support.stack import WorkerProc, burst_worker, wait_until
 from tinkerq.config import QueueConfig
+from tinkerq.jobs import JobSerializer
 from worker.ray_runtime import cluster
 
 pytestmark = pytest.mark.slow
@@ -228,6 +230,39 @@ def test_the_ray_worker_serves_through_the_queue_what_the_in_process_worker_serv
                 assert a == b, (a, b)
     versions = [b.weights_version for b in distributed if isinstance(b, SampleOutput)]
     assert versions == [0] * 4 + [1] * 4 + [2] * 4
+
+
+def test_samples_are_served_on_the_replicas_during_a_forward_backward(connection, queue_config, ray_worker):
+    """The sampling lane drives the engine replicas while the training lane's forward_backward runs on the trainer
+    ranks: samples queued behind it, pinned to weights the replicas hold, start and finish inside its run (the times
+    RQ's job hashes record: RQ's own for the forward_backward, the lane's for the samples)."""
+    producer = Producer(connection, queue_config)
+    model = "lanes:train:0"
+    logged = len(ray_worker.output())
+    created = results(producer, [producer.submit(CreateModelRequest(
+        model_id=model, base_model=BASE, lora=LoraConfig(rank=4, seed=3, train_unembed=True)))])
+    assert isinstance(created[0], CreateModelOutput), created
+    # 128 passes of 99 tokens over two ranks: seconds here, long beside a sample's few decode steps
+    data = [datum(list(range(5, 55)), list(range(60, 110)), 1.0) for _ in range(128)]
+    fb = ForwardBackwardRequest(model_id=model, seq_id=1, data=data, loss_fn="importance_sampling")
+    samples = [SampleRequest(model_id=model, prompt_tokens=p, sampling_params=SamplingParams(max_tokens=4, seed=i))
+               for i, p in enumerate(PROMPTS * 2)]
+    tickets = producer.submit_many([fb, *samples])  # one transaction: all queued behind it when it starts
+    answers = results(producer, tickets)
+    assert not isinstance(answers[0], ErrorResponse), answers[0]
+    assert all(isinstance(a, SampleOutput) and a.weights_version == 0 for a in answers[1:]), answers[1:]
+
+    def spans() -> list[tuple]:
+        jobs = [Job.fetch(t.request_id, connection=connection, serializer=JobSerializer) for t in tickets]
+        return [(job.started_at, job.ended_at) for job in jobs]
+
+    # a job's result is stored before its end is written (RQ's success path, the lane's next flush)
+    wait_until(lambda: all(end is not None for _, end in spans()), what="every job's ended_at")
+    (fb_start, fb_end), *served = spans()
+    inside = [(start, end) for start, end in served if fb_start < start and end < fb_end]
+    assert inside, f"forward_backward ran {fb_start}..{fb_end}; no sample ran inside it: {served}"
+    log = ray_worker.output()[logged:]
+    assert ray_worker.alive() and "Traceback" not in log and "sampling lane:" not in log, log[-3000:]
 
 
 def test_an_engine_replica_killed_mid_batch_is_restarted_and_resynced(connection, queue_config, ray_worker):
