@@ -96,6 +96,11 @@ class JobContext(Protocol):
 
     def handle(self, job: Job) -> dict[str, Any]: ...
 
+    def take_over(self, job: Job) -> bool:
+        """Whether another lane of the worker took the claimed job over (it then leaves the claimed list, and RQ
+        neither runs nor finishes it here)."""
+        ...
+
 
 class AllowlistJob(QueuedJob):
     """A job loaded as untrusted data: without RQ's hook fields (listed in `ignored_fields` when set), with its
@@ -384,6 +389,12 @@ class ShardWorker(SimpleWorker):
         super().prepare_job_execution(job, remove_from_intermediate_queue=False)
 
     def execute_job(self, job: Job, queue: Queue) -> None:
+        try:
+            if self.context is not None and self.context.take_over(job):
+                return
+        except FencedOut:
+            self.lost_shard(shard_of_queue(queue.name))
+            return
         fenced = isinstance(self.connection, FencedRedis)
         if fenced:  # RQ's writes for this job, from here to its end, only under the shard's lease
             self.connection.shard = shard_of_queue(queue.name)

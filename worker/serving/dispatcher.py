@@ -13,7 +13,7 @@ from rq.job import Job
 from schemas import Limits, SampleRequest
 from tinkerq import keys
 from tinkerq.config import LimitsConfig, QueueConfig
-from worker.consumer.admission import Admission, Refused
+from worker.consumer.admission import Admission, Admitted, Refused
 from worker.runtime import Runtime
 from worker.serving.results import ResultStore, classify, summary
 from worker.serving.sampling import Sampling
@@ -63,20 +63,22 @@ class Dispatcher:
             return summary(rid, verdict.error)
         request = verdict.request
         if isinstance(request, SampleRequest):
-            return self._sample(job, shard, rid, request)
+            return self.sampling.serve(job, shard, rid, request)
         with self._training_lane():
             return {"request_id": rid, "seq": self.sequencer.submit(shard, rid, request)}
 
-    def _sample(self, job: Job, shard: int, rid: str, request: SampleRequest) -> dict[str, Any]:
-        """Hand the sample to the sampling lane once its model is ready here (rebuilt from its journal by this, the
-        training lane, if need be); else, or with lanes off, serve it here."""
-        if self.lane is not None:
-            answer = lambda _, lost: self.results.store_result(shard, rid, lost)
-            if not self.sampling.ready_here([(rid, request)], answer):
-                return {"request_id": rid, "type": "sample", "lost": True}
-            if self.lane.hand_off(job, shard, rid, request):
-                return {"request_id": rid, "type": "sample", "lane": "sampling"}
-        return self.sampling.serve(job, shard, rid, request)
+    def take_over(self, job: Job) -> bool:
+        """A sample the RQ loop claimed goes to the sampling lane once its model is ready here (rebuilt from its
+        journal by this, the training lane, if need be); True if the lane took it."""
+        verdict = job.verdict
+        if self.lane is None or not isinstance(verdict, Admitted) or not isinstance(verdict.request, SampleRequest):
+            return False
+        rid, shard, request = verdict.request_id, verdict.shard, verdict.request
+        if self.connection.exists(keys.result_key(rid)):
+            return False  # answered already: the RQ loop skips it
+        if not self.sampling.ready_here([(rid, request)], lambda _, lost: None):
+            return False  # the RQ loop answers what was lost
+        return self.lane.hand_off(job, shard, rid, request)
 
     @contextmanager
     def _training_lane(self) -> Iterator[None]:

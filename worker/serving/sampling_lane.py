@@ -24,9 +24,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from rq.job import Job
+from rq.timeouts import TimerDeathPenalty
 from rq.utils import now, utcformat
 
-from schemas import SampleRequest
+from schemas import ErrorResponse, SampleRequest
 from tinkerq import keys
 from tinkerq.config import QueueConfig
 from worker.runtime import Runtime
@@ -36,6 +37,11 @@ from worker.shards.fencing import Fence, FencedOut
 from worker.shards.outage import REDIS_DOWN
 
 log = logging.getLogger(__name__)
+
+
+class LaneRunTimeout(Exception):
+    """A lane run outlasted the job timeout: its unserved samples go back to the queue, each to be served alone by the
+    RQ loop (which answers one that times out again with a 504)."""
 
 
 class SamplingLane:
@@ -85,20 +91,37 @@ class SamplingLane:
                 self._cond.wait(0.05)
 
     def hand_off(self, job: Job, shard: int, rid: str, request: SampleRequest) -> bool:
-        """Take over a sample the RQ loop claimed; False: the loop serves it itself (the lane is stopped, or the
-        sample failed in a lane run before)."""
+        """Take over a sample the RQ loop claimed, with the queued samples that may share its engine run (as the
+        RQ loop's own run takes them: every job before them has run); False: the loop serves it itself (the lane
+        is stopped, or the sample failed in a lane run before)."""
         if rid in self._alone:
             self._alone.discard(rid)
             return False
         if not self._alive():
             return False
         taken = Taken(rid, request, job, utcformat(now()))
-        if not self.sampling.batcher.take_claimed(keys.queue_key(shard), shard, taken):
+        queue_key = keys.queue_key(shard)
+        if not self.sampling.batcher.take_claimed(queue_key, shard, taken):
             return False
+        with_it = self._ready_here(shard, self.sampling.batcher.take(queue_key, shard,
+                                                                     self.config.max_batch_requests - 1,
+                                                                     exclude=self._alone))
         with self._cond:
-            self._inbox.setdefault(shard, []).append(taken)
+            self._inbox.setdefault(shard, []).extend([taken, *with_it])
             self._cond.notify_all()
         return True
+
+    def _ready_here(self, shard: int, taken: list[Taken]) -> list[Taken]:
+        """Those whose model is ready here (rebuilt from its journal now, on the training lane, if need be); the
+        others answered with what was lost, and finished."""
+        lost: list[tuple[str, ErrorResponse]] = []
+        ready = {rid for rid, _ in self.sampling.ready_here([(t.request_id, t.request) for t in taken],
+                                                            lambda rid, error: lost.append((rid, error)))}
+        if lost:
+            self.sampling.results.store_results(shard, lost)
+            self.sampling.batcher.mark_finished(shard, [t for t in taken if t.request_id not in ready],
+                                                self.worker_name)
+        return [t for t in taken if t.request_id in ready]
 
     @contextmanager
     def quiesced(self, model_id: str) -> Iterator[None]:
@@ -154,8 +177,9 @@ class SamplingLane:
                     shard, taken = self._look_ahead()
                 if not taken:
                     return False
-                self.sampling.serve_taken(shard, taken, self.worker_name, self._handed, self.ready,
-                                          self._stop.is_set)
+                with TimerDeathPenalty(self.config.job_timeout_s, LaneRunTimeout):  # as RQ bounds a job in hand
+                    self.sampling.serve_taken(shard, taken, self.worker_name, self._handed, self.ready,
+                                              self._stop.is_set)
         except FencedOut:
             log.warning("sampling lane: shard %s is no longer this worker's; its samples are the new owner's", shard)
             self._drop(shard)
