@@ -236,12 +236,13 @@ def run_baseline(args, tmp: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def child_env(args, tmp: Path, runtime: str = "torch") -> dict[str, str]:
+def child_env(args, tmp: Path, runtime: str = "torch", schedule: str = "lanes") -> dict[str, str]:
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1",
             **{f"TINKERQ_{k.upper()}": v for k, v in settings(args, runtime).items()},
             "TINKERQ_NUM_SHARDS": "1", "TINKERQ_CHECKPOINT_ROOT": str(tmp / "ckpt"),
-            "TINKERQ_MAX_BATCH_REQUESTS": str(max(256, args.prompts))}
+            "TINKERQ_MAX_BATCH_REQUESTS": str(max(256, args.prompts)),
+            "TINKERQ_LANES": "1" if schedule == "lanes" else "0"}
 
 
 # -- 2. the queue --------------------------------------------------------------------------------------------------
@@ -249,10 +250,10 @@ def child_env(args, tmp: Path, runtime: str = "torch") -> dict[str, str]:
 class Queue:
     """A `tinkerq worker` process and a Producer, and waits that fail fast with the worker's log if it dies."""
 
-    def __init__(self, args, url: str, tmp: Path, runtime: str = "torch") -> None:
-        self.log = tmp / f"worker-{runtime}.log"
+    def __init__(self, args, url: str, tmp: Path, runtime: str = "torch", schedule: str = "lanes") -> None:
+        self.log = tmp / f"worker-{runtime}-{schedule}.log"
         self.worker = subprocess.Popen([sys.executable, "-m", "commands.cli", "worker", "--redis-url", url,
-                                        "--log-level", "INFO"], env=child_env(args, tmp, runtime), cwd=ROOT,
+                                        "--log-level", "INFO"], env=child_env(args, tmp, runtime, schedule), cwd=ROOT,
                                        stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
         self.producer = Producer(Redis.from_url(url), QueueConfig(num_shards=1))
 
@@ -334,6 +335,65 @@ def rl_steps(args, queue: Queue) -> list[dict]:
                  else "")
               + f"; served v{row['versions_served']}", flush=True)
     return rows
+
+
+def rl_steps_off_policy(args, queue: Queue) -> list[dict]:
+    """One step off-policy, as tinker-cookbook's async mode runs: batch k+1 is submitted (pinned by the producer to
+    the latest sync, the weights before step k's) right before step k's forward_backward, so a worker with lanes
+    samples it while it trains; a serial worker samples it first. A row's phases overlap: its total is the step's
+    wall time, from waiting for its batch to its sync's result."""
+    started = time.perf_counter()
+    queue.wait(queue.producer.submit(create_request(args)), "create_model")
+    print(f"worker ready (model created, engine started) in {time.perf_counter() - started:.1f} s", flush=True)
+    requests = sample_requests(args)
+    version, pending, pinned = 0, queue.producer.submit_many(requests), 0
+    rows = []
+    for step in range(args.warmup + args.steps):
+        row: dict = {"step": step, "warmup": step < args.warmup}
+        t0 = time.perf_counter()
+        outputs = [queue.wait(t, "sample") for t in pending]
+        t1 = time.perf_counter()
+        row["versions_served"] = sorted({o.weights_version for o in outputs})
+        row["right_version"] = row["versions_served"] == [pinned]
+        pending, pinned = queue.producer.submit_many(requests), version  # the next batch, sampled meanwhile
+        data = build_datums(args, requests, outputs)
+        t2 = time.perf_counter()
+        fb = queue.wait(queue.producer.submit(ForwardBackwardRequest(model_id=MODEL, data=data, loss_fn=args.loss)),
+                        "forward_backward")
+        t3 = time.perf_counter()
+        queue.wait(queue.producer.submit(OptimStepRequest(model_id=MODEL,
+                                                          adam_params=AdamParams(learning_rate=args.lr))),
+                   "optim_step")
+        t4 = time.perf_counter()
+        sync = queue.wait(queue.producer.submit(WeightSyncRequest(model_id=MODEL)), "weight_sync")
+        t5 = time.perf_counter()
+        assert sync.applied and sync.version == version + 1, sync
+        version = sync.version
+        tokens = tokens_of(outputs)
+        row.update({"ms": dict(zip(PHASES, ((b - a) * 1e3 for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4),
+                                                                      (t4, t5))))),
+                    "total_ms": (t5 - t0) * 1e3, "sampled_tokens": tokens,
+                    "sample_tokens_per_s": tokens / max(t1 - t0, 1e-9),
+                    "train_tokens": sum(len(d.model_input) for d in data), "loss": fb.metrics.get("loss:sum"),
+                    "mean_reward": statistics.fmean(reward(s.tokens) for o in outputs for s in o.sequences),
+                    "version": version})
+        row["sync_share"] = row["ms"]["sync"] / row["total_ms"]
+        rows.append(row)
+        print(f"step {step}{' (warm-up)' if row['warmup'] else ''} (off-policy): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in row["ms"].items())
+              + f" ms; total {row['total_ms']:.0f} ms; served v{row['versions_served']}", flush=True)
+    return rows
+
+
+def sampling_alone(args, queue: Queue) -> float:
+    """Tokens/s of the batch sampled through the queue with nothing else queued (after the steps: warm)."""
+    requests = sample_requests(args)
+    rates = []
+    for _ in range(max(1, args.raw_rounds)):
+        t0 = time.perf_counter()
+        outputs = [queue.wait(t, "sample") for t in queue.producer.submit_many(requests)]
+        rates.append(tokens_of(outputs) / (time.perf_counter() - t0))
+    return statistics.median(rates)
 
 
 # -- report --------------------------------------------------------------------------------------------------------
@@ -450,6 +510,12 @@ def main() -> None:
     parser.add_argument("--runtimes", type=lambda v: v.split(","), default=["torch"],
                         help="the workers to run the steps through, one after the other: torch (in process), ray "
                              "(the Ray runtime on one GPU bundle), or torch,ray to compare them")
+    parser.add_argument("--schedules", type=lambda v: v.split(","), default=["lanes"],
+                        help="the worker's schedules, one run each: lanes (sampling while training), serial "
+                             "(TINKERQ_LANES=0), or serial,lanes to compare them")
+    parser.add_argument("--off-policy", action="store_true",
+                        help="sample batch k+1 while training on batch k (tinker-cookbook's async mode, one step "
+                             "off-policy), and measure sampling alone through the queue after the steps")
     parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
                         help="part 1 (raw vLLM in a child process); --no-baseline: only the queue, e.g. where a "
                              "large shape's two engine starts would not fit a device call")
@@ -473,31 +539,37 @@ def main() -> None:
     runs = {}
     with ExitStack() as stack:
         url = os.environ.get("REDIS_URL") or stack.enter_context(EmbeddedRedis()).url
-        for runtime in args.runtimes:  # one after the other, each worker alone on the GPU
+        for runtime, schedule in [(r, s) for r in args.runtimes for s in args.schedules]:  # each alone on the GPU
             Redis.from_url(url).flushdb()
-            print(f"-- through the queue, the {runtime} runtime's worker", flush=True)
-            queue = Queue(args, url, tmp, runtime)
+            key = runtime if len(args.schedules) == 1 else f"{runtime}-{schedule}"
+            print(f"-- through the queue, the {runtime} runtime's worker, {schedule} schedule", flush=True)
+            queue = Queue(args, url, tmp, runtime, schedule)
             try:
-                rows = rl_steps(args, queue)
+                rows = rl_steps_off_policy(args, queue) if args.off_policy else rl_steps(args, queue)
+                alone = sampling_alone(args, queue) if args.off_policy else None
             except (RuntimeError, TimeoutError) as exc:
                 if not runs:
                     raise
-                print(f"the {runtime} runtime's run failed; the report keeps the runs before it:\n{exc}", flush=True)
+                print(f"the {key} run failed; the report keeps the runs before it:\n{exc}", flush=True)
                 continue
             finally:
                 queue.close()
-            runs[runtime] = {"summary": summarize(rows, base), "steps": rows, "worker_log": queue.log_lines(),
-                             "worker_settings": settings(args, runtime)}
+            runs[key] = {"summary": summarize(rows, base), "steps": rows, "worker_log": queue.log_lines(),
+                         "worker_settings": settings(args, runtime), "schedule": schedule,
+                         "sampling_alone_tokens_per_s": alone,
+                         "sampling_alone_ratio_to_raw": alone / base["tokens_per_s"]["vllm_raw"] if alone and base
+                         else None}
     for runtime, run in runs.items():
         print_table(args, run["summary"], runtime)
         for line in run["worker_log"]:
             if re.search(MEMORY_LINES, line):
                 print(f"worker: {line}")
     comparison = ray_comparison(runs)
+    lanes_vs_serial = schedule_comparison(runs)
     name = "gpu_rl_step" + (f"-{args.tag}" if args.tag else "")
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    first = runs[args.runtimes[0]]
+    first = next(iter(runs.values()))
     alloc_name, alloc, operators = cuda_allocator.chosen(os.environ)  # what the worker and the baseline ran with
     report = {"machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, Python "
                          f"{platform.python_version()}",
@@ -505,14 +577,15 @@ def main() -> None:
                            "cuda_alloc_conf": f"{alloc_name}={alloc}{'' if operators else ' (the worker default)'}"},
               "baseline_where": "raw vLLM LLM.generate and our engine, in a child process run to completion before "
                                 "the worker starts, on the runtime built from the worker's settings",
-              "baseline": base, **first, "runtimes": runs, "ray_comparison": comparison}
+              "baseline": base, **first, "runtimes": runs, "ray_comparison": comparison,
+              "lanes_vs_serial": lanes_vs_serial}
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
     title = (f"{args.model} {args.device}: {args.prompts}x{args.num_samples}x{args.max_tokens} tokens, {args.loss}, "
              f"rank {args.rank}, {args.vllm_sync}{', sleep mode' if args.sleep else ''}"
              f"{', eager' if args.eager else ''}{f', {alloc}' if operators else ''}")
-    for runtime, run in runs.items():
-        suffix = "" if runtime == args.runtimes[0] else f"-{runtime}"
+    for i, (runtime, run) in enumerate(runs.items()):
+        suffix = "" if i == 0 else f"-{runtime}"
         plot(run["steps"], run["summary"], f"{title} ({runtime} runtime)",
              out.with_name(out.stem + suffix + ".png"))
     sys.exit(0 if all(run["summary"]["all_served_right_version"] for run in runs.values()) else 1)
@@ -527,6 +600,27 @@ def announce_baseline(args, tmp: Path) -> dict:
     for plan in base["memory_plans"].values():
         print(f"baseline {plan['line']}")
     return base
+
+
+def schedule_comparison(runs: dict) -> dict | None:
+    """The lanes' step against the serial schedule's, on each runtime where both ran (issue 40: <= 0.75 with
+    --off-policy), and sampling alone through the queue against raw vLLM (>= 0.95)."""
+    out = {}
+    for runtime in {key.rsplit("-", 1)[0] for key in runs if key.endswith(("-lanes", "-serial"))}:
+        lanes, serial = runs.get(f"{runtime}-lanes"), runs.get(f"{runtime}-serial")
+        if not (lanes and serial):
+            continue
+        ratio = lanes["summary"]["total_ms"] / serial["summary"]["total_ms"]
+        out[runtime] = {"step_ratio": ratio, "lanes_ms": lanes["summary"]["total_ms"],
+                        "serial_ms": serial["summary"]["total_ms"]}
+        print(f"\n{runtime}: lanes / serial, median step: {lanes['summary']['total_ms']:.0f} / "
+              f"{serial['summary']['total_ms']:.0f} ms = {ratio:.3f} (goal <= 0.75: "
+              f"{'met' if ratio <= 0.75 else 'NOT met'})")
+    for key, run in runs.items():
+        if run.get("sampling_alone_ratio_to_raw"):
+            print(f"{key}: sampling alone through the queue {run['sampling_alone_tokens_per_s']:.0f} tok/s = "
+                  f"{run['sampling_alone_ratio_to_raw']:.3f} x raw vLLM (goal >= 0.95)")
+    return out or None
 
 
 def ray_comparison(runs: dict) -> dict | None:

@@ -42,6 +42,7 @@ from worker.torch_runtime.lora_io import (
     save_merged,
 )
 from worker.torch_runtime.packed_forward import TrainOptions, forward_request
+from worker.torch_runtime.train_stream import training_stream
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -126,9 +127,10 @@ class TorchTrainer(Trainer):
         trained.base.model.set_adapter(trained.adapter)
         loss = custom_loss.BatchLoss(self._compiled(request.custom_loss)) if request.custom_loss else None
         try:
-            outputs, total = forward_request(trained.base, trained.adapter, request, backward,
-                                             self.options or TrainOptions.for_device(trained.base.device),
-                                             trained.optimizer.param_groups[0]["params"], loss)
+            with training_stream(trained.base.device):
+                outputs, total = forward_request(trained.base, trained.adapter, request, backward,
+                                                 self.options or TrainOptions.for_device(trained.base.device),
+                                                 trained.optimizer.param_groups[0]["params"], loss)
         except custom_loss.CustomLossError as exc:
             raise DomainError(400, "invalid_custom_loss", str(exc)) from exc
         metrics = loss.metrics(len(request.data)) if loss is not None else {}
@@ -220,9 +222,10 @@ class TorchTrainer(Trainer):
             group.update(adamw_kwargs(adam))
         params = [p for p in trained.params if p.grad is not None]
         max_norm = adam.grad_clip_norm if adam.grad_clip_norm > 0 else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
-        trained.optimizer.step()
-        trained.optimizer.zero_grad(set_to_none=True)
+        with training_stream(trained.base.device):
+            norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+            trained.optimizer.step()
+            trained.optimizer.zero_grad(set_to_none=True)
         return OptimStepOutput(metrics={"grad_norm:mean": norm, "learning_rate:mean": adam.learning_rate})
 
     # -- weights in and out ---------------------------------------------------------------------
