@@ -2,11 +2,14 @@
 
     python tests/support/cookbook_run.py RECIPE TOKENIZER_DIR KEY=VALUE...
 
-RECIPE is a module under tinker_cookbook.recipes (sl_loop, rl_loop); the KEY=VALUE arguments are its chz
-config, as on its command line. Run from the directory of the local datasets (cookbook_data.write_hub_mirror).
+RECIPE is a module under tinker_cookbook.recipes (sl_loop, rl_loop) or a whole module name whose `main` takes a
+chz config (tinker_cookbook.rl.train, whose main is async); the KEY=VALUE arguments are that config, as on its
+command line. Run from the directory of the local datasets (cookbook_data.write_hub_mirror).
 """
 
+import asyncio
 import importlib
+import inspect
 import os
 import sys
 
@@ -30,8 +33,10 @@ def main(argv: list[str]) -> None:
 
     # The recipe asks for the tokenizer by model name; the served directory has it, the Hub is not reached.
     register_tokenizer(model_name, load_tokenizer)
-    module = importlib.import_module(f"tinker_cookbook.recipes.{recipe}")
-    chz.nested_entrypoint(module.main, argv=config)
+    module = importlib.import_module(recipe if "." in recipe else f"tinker_cookbook.recipes.{recipe}")
+    result = chz.nested_entrypoint(module.main, argv=config)
+    if inspect.iscoroutine(result):
+        asyncio.run(result)
 
 
 if __name__ == "__main__":
