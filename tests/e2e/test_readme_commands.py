@@ -56,15 +56,18 @@ def test_bench_quick(r: Redis, redis_url: str, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_tenant_latency_quick(r: Redis, redis_url: str, tmp_path: Path) -> None:
-    """bench/tenant_latency.py --quick (docs/benchmarks.md): both tenants' paths answer, the table, the JSON and
-    the histogram come out."""
+    """bench/tenant_latency.py --quick (docs/benchmarks.md): both tenants' paths answer on both schedules, the
+    table, the JSON, the histogram and the lanes' timeline come out."""
     out = tmp_path / "tenant_latency.json"
     done = run(["bench/tenant_latency.py", "--quick", "--out", str(out)], redis_url, timeout=300)
     for line in ("idle", "training back to back", "B's p99, A training / A idle", f"wrote {out}"):
         assert line in done.stdout, done.stdout
     report = json.loads(out.read_text())
-    assert report["quick"] and report["a_ops"]["p50_ms"] > 0 and report["b_busy"]["p99_ms"] > 0
+    assert report["quick"] and set(report["schedules"]) == {"serial", "lanes"}
+    for row in report["schedules"].values():
+        assert row["a_ops"]["p50_ms"] > 0 and row["b_busy"]["p99_ms"] > 0
     assert out.with_suffix(".png").stat().st_size > 0
+    assert out.with_name("tenant_latency-timeline.png").stat().st_size > 0
 
 
 @pytest.mark.slow

@@ -324,7 +324,7 @@ def test_a_job_that_raises_or_times_out_still_gets_exactly_one_result(r, produce
     and the sample pinned to it a retryable 409, which a client sends again."""
     from support import faulty_runtime
 
-    config = config.model_copy(update={"job_timeout_s": 1, "lanes": lanes})
+    config = config.model_copy(update={"job_timeout_s": 2, "lanes": lanes})  # the stall takes 3 s
     producer = Producer(r, config)
     create(producer)
     boom = sample(producer, prompt=[faulty_runtime.EXPLODE])

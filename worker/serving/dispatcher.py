@@ -3,8 +3,7 @@ sampling lane, or `sampling` right here), training ops to the sequencer, which r
 (`training_ops`)."""
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import nullcontext
 from typing import Any
 
 from redis import Redis
@@ -64,7 +63,7 @@ class Dispatcher:
         request = verdict.request
         if isinstance(request, SampleRequest):
             return self.sampling.serve(job, shard, rid, request)
-        with self._training_lane():
+        with self.lane.beside_training() if self.lane is not None else nullcontext():
             return {"request_id": rid, "seq": self.sequencer.submit(shard, rid, request)}
 
     def take_over(self, job: Job) -> bool:
@@ -80,16 +79,6 @@ class Dispatcher:
             return False  # the RQ loop answers what was lost
         return self.lane.hand_off(job, shard, rid, request)
 
-    @contextmanager
-    def _training_lane(self) -> Iterator[None]:
-        """While a training op runs, the sampling lane looks ahead in the queues for samples it may serve."""
-        if self.lane is not None:
-            self.lane.training.set()
-        try:
-            yield
-        finally:
-            if self.lane is not None:
-                self.lane.training.clear()
 
     def make_durable(self, shards: list[int]) -> int:
         """Checkpoint every model this worker holds up to date on `shards` (what a drain does); how many were

@@ -55,7 +55,7 @@ class SamplingLane:
         self.fence = fence
         self.config = config
         self.worker_name = worker_name
-        self.training = threading.Event()  # the RQ loop runs a training op: look ahead in the queues meanwhile
+        self.training = threading.Event()  # the RQ loop runs a training op: look ahead meanwhile (beside_training)
         self._inbox: dict[int, list[Taken]] = {}
         self._held_back: Counter[str] = Counter()
         self._alone: set[str] = set()  # failed in a lane run: served by the RQ loop, one at a time
@@ -122,6 +122,18 @@ class SamplingLane:
             self.sampling.batcher.mark_finished(shard, [t for t in taken if t.request_id not in ready],
                                                 self.worker_name)
         return [t for t in taken if t.request_id in ready]
+
+    @contextmanager
+    def beside_training(self) -> Iterator[None]:
+        """While the RQ loop runs a training op, the lane looks ahead in the queues (woken now: it may be waiting
+        a whole tick for work)."""
+        with self._cond:
+            self.training.set()
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            self.training.clear()
 
     @contextmanager
     def quiesced(self, model_id: str) -> Iterator[None]:
