@@ -333,7 +333,10 @@ def test_a_job_that_raises_or_times_out_still_gets_exactly_one_result(r, produce
     sync = producer.submit(WeightSyncRequest(model_id=M))
     fine = sample(producer)
     drain(r, config, tmp_path, runtime="support.faulty_runtime:make")
-    assert (result(producer, boom).code, result(producer, boom).status) == ("internal_error", 500)
+    # With the lanes, boom's second try (alone, on the RQ loop) may wait for the engine behind the stalled run
+    # past its own timeout: it is then answered 504, still once.
+    boom_codes = {("internal_error", 500)} | ({("timeout", 504)} if lanes else set())
+    assert (result(producer, boom).code, result(producer, boom).status) in boom_codes
     assert (result(producer, stall).code, result(producer, stall).status) == ("timeout", 504)
     assert Job.fetch(boom.request_id, connection=r, serializer="json").get_status() == JobStatus.FAILED
     if not lanes:

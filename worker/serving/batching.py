@@ -6,6 +6,8 @@ every queued sample whose model has no non-sample job (sync, training op) ahead 
 engine runs, samples that arrive join it (continuous batching) as long as no non-sample job of any
 model is queued ahead of them and the worker's other shard queues are empty, so a sync, a training op or
 another shard's job waits at most for the running batch to drain.
+With the lanes (worker/serving/sampling_lane.py) the sampling lane's runs take, besides, the queued samples pinned
+to weights the engine holds, past the training ops of their model (`LaneRun`, `Batcher.take` with `ready`).
 The taken jobs move atomically from the queue to the shard's batched list (so a crash loses none:
 recovery puts them back at the front); each result is stored as it is ready, and the jobs served in one
 engine step are marked finished in RQ together, at the next step; on an exception the unfinished ones go
@@ -246,13 +248,15 @@ class LaneRun(EngineRun):
 
     def __init__(self, batcher: Batcher, queue_key: str, shard: int, max_requests: int, admit_s: float,
                  store: Callable[[list[tuple[str, Result]]], object], worker_name: str | None,
-                 stopping: Callable[[], bool], handed: Handed, ready: Ready) -> None:
+                 stopping: Callable[[], bool], handed: Handed, ready: Ready, alone: Collection[str] = ()) -> None:
         super().__init__(batcher, queue_key, shard, max_requests, admit_s, [], store, worker_name, stopping)
         self.handed, self.ready = handed, ready
+        self.alone = alone  # samples a lane run failed: the RQ loop serves each on its own
 
     def start_taken(self, taken: list[Taken]) -> list[tuple[str, SampleRequest]]:
         return self._take(taken) + self._take(self.batcher.take(self.queue_key, self.shard,
-                                                                self.max_requests - len(taken), ready=self.ready))
+                                                                self.max_requests - len(taken), ready=self.ready,
+                                                                exclude=self.alone))
 
     def admit(self, accept: Callable[[SampleRequest], bool]) -> list[tuple[str, SampleRequest]]:
         self.flush()
@@ -261,4 +265,4 @@ class LaneRun(EngineRun):
             return []
         handed = self._take(self.handed(self.shard, room, accept))
         return handed + self._take(self.batcher.take(self.queue_key, self.shard, room - len(handed), accept,
-                                                     ready=self.ready))
+                                                     ready=self.ready, exclude=self.alone))

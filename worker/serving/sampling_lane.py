@@ -191,7 +191,7 @@ class SamplingLane:
                     return False
                 with TimerDeathPenalty(self.config.job_timeout_s, LaneRunTimeout):  # as RQ bounds a job in hand
                     self.sampling.serve_taken(shard, taken, self.worker_name, self._handed, self.ready,
-                                              self._stop.is_set)
+                                              self._stop.is_set, self._alone)
         except FencedOut:
             log.warning("sampling lane: shard %s is no longer this worker's; its samples are the new owner's", shard)
             self._drop(shard)
