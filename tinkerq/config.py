@@ -90,6 +90,13 @@ class QueueConfig(BaseSettings):
                              f"({self.tick_s}), the worker's blocking wait")
         return self
 
+    def redis_timeouts(self) -> dict[str, float]:
+        """A Redis client's bounds (redis-py's keyword arguments, sync or asyncio): every read gives up after
+        redis_socket_timeout_s and every connect after at most 5 s of it, so a frozen Redis fails a call instead of
+        hanging it, and a close (which waits for its socket within the connect timeout) cannot hold an exit up."""
+        return {"socket_timeout": self.redis_socket_timeout_s,
+                "socket_connect_timeout": min(5.0, self.redis_socket_timeout_s)}
+
 
 class RuntimeConfig(BaseSettings):
     """What a worker loads: which runtime, where checkpoints go, how many snapshots it keeps; the torch

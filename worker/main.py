@@ -41,8 +41,7 @@ def worker_name() -> str:
 def connect(url: str, config: QueueConfig, name: str) -> Redis:
     """A worker's Redis client: every call bounded (connect and read), so a frozen Redis is an outage the worker
     rides out instead of a hang; its connections named after the worker (CLIENT LIST, MONITOR)."""
-    return Redis.from_url(url, socket_timeout=config.redis_socket_timeout_s,
-                          socket_connect_timeout=min(5.0, config.redis_socket_timeout_s), client_name=name)
+    return Redis.from_url(url, **config.redis_timeouts(), client_name=name)
 
 
 class WorkerProcess:

@@ -32,8 +32,9 @@ def create_app(redis_url: str, settings: ApiSettings | None = None, config: Queu
                catalog: BaseModelCatalog | None = None) -> FastAPI:
     settings = settings or ApiSettings()
     config = config or QueueConfig()
-    producer = Producer(Redis.from_url(redis_url, **_bounded_io(config)), config)
-    async_redis = AsyncRedis.from_url(redis_url, **_bounded_io(config))
+    # bounded as a worker's are: against a frozen Redis a request fails instead of hanging
+    producer = Producer(Redis.from_url(redis_url, **config.redis_timeouts()), config)
+    async_redis = AsyncRedis.from_url(redis_url, **config.redis_timeouts())
     deps = Deps(settings, producer, ApiState(async_redis, settings.session_ttl_s), AsyncResultWaiter(async_redis),
                 Metrics(producer.queue_depths), GroupSubmitter(producer), catalog or BaseModelCatalog.from_env())
     if not settings.keys():
@@ -56,14 +57,6 @@ def create_app(redis_url: str, settings: ApiSettings | None = None, config: Queu
     for router in ROUTERS:
         app.include_router(router)
     return app
-
-
-def _bounded_io(config: QueueConfig) -> dict[str, float]:
-    """Every read and connect of the API's clients gives up after a while, as a worker's do: against a frozen
-    Redis a request fails instead of hanging, and a close (which waits for its socket within the connect
-    timeout) cannot hold the process's exit up."""
-    return {"socket_timeout": config.redis_socket_timeout_s,
-            "socket_connect_timeout": min(5.0, config.redis_socket_timeout_s)}
 
 
 async def _bounded(step: Awaitable[object], what: str) -> None:
