@@ -6,7 +6,6 @@ import signal
 
 import pytest
 from redis import Redis
-from rq.utils import utcparse
 
 from producer import Producer
 from schemas import (
@@ -22,10 +21,9 @@ from schemas import (
     SamplingParams,
     WeightSyncRequest,
 )
-from support.stack import burst_worker, stop_within, wait_until
+from support.stack import burst_worker, job_spans, stop_within, wait_until
 from support.training import answered, owns_all, training
 from tinkerq import keys
-from worker.consumer.rq_worker import AllowlistJob
 
 PROMPT = [5, 6, 7, 8]
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
@@ -36,15 +34,6 @@ def long_forward_backward(model_id: str, datums: int = 32, tokens: int = 256) ->
     full = [(7 * i) % 200 + 3 for i in range(tokens + 1)]
     datum = Datum(model_input=full[:-1], loss_fn_inputs={"target_tokens": [float(t) for t in full[1:]]})
     return ForwardBackwardRequest(model_id=model_id, data=[datum] * datums)
-
-
-def span(r: Redis, request_id: str) -> tuple[float, float]:
-    """When the worker started and ended the request's job, as stored in its RQ job hash (marked there just after
-    its result is stored)."""
-    key = AllowlistJob.key_for(request_id)
-    wait_until(lambda: r.hget(key, "ended_at"), 10, f"{request_id} marked finished")
-    started, ended = r.hmget(key, "started_at", "ended_at")
-    return utcparse(started.decode()).timestamp(), utcparse(ended.decode()).timestamp()
 
 
 def create(producer: Producer, *models: str) -> None:
@@ -65,9 +54,9 @@ def test_another_models_samples_are_served_inside_its_forward_backward(r, config
     assert producer.wait(fb.request_id, 120).type == "forward_backward"
     outs = [producer.wait(s.request_id, 60) for s in samples]
     assert all(isinstance(out, SampleOutput) and out.weights_version == 0 for out in outs), outs
-    fb_start, fb_end = span(r, fb.request_id)
-    inside = [s for s in samples if fb_start < span(r, s.request_id)[0] and span(r, s.request_id)[1] < fb_end]
-    assert inside, (fb_start, fb_end, [span(r, s.request_id) for s in samples])
+    (fb_start, fb_end), *served = job_spans(r, [t.request_id for t in (fb, *samples)])
+    inside = [(start, end) for start, end in served if fb_start < start and end < fb_end]
+    assert inside, f"forward_backward ran {fb_start}..{fb_end}; no sample ran inside it: {served}"
 
 
 def test_a_sample_pinned_to_weights_not_yet_synced_waits_for_its_sync(r, config, tmp_path):

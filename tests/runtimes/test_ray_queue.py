@@ -16,7 +16,6 @@ import pytest
 import ray  # the `ray` extra is part of `make test`: a missing one fails here, never skips
 import torch
 from redis import Redis
-from rq.job import Job
 
 from commands.redis_server import free_port
 from producer import Producer
@@ -35,9 +34,8 @@ from schemas import (
     SamplingParams,
     WeightSyncRequest,
 )
-from support.stack import WorkerProc, burst_worker, wait_until
+from support.stack import WorkerProc, burst_worker, job_spans
 from tinkerq.config import QueueConfig
-from tinkerq.jobs import JobSerializer
 from worker.ray_runtime import cluster
 
 pytestmark = pytest.mark.slow
@@ -251,14 +249,7 @@ def test_samples_are_served_on_the_replicas_during_a_forward_backward(connection
     answers = results(producer, tickets)
     assert not isinstance(answers[0], ErrorResponse), answers[0]
     assert all(isinstance(a, SampleOutput) and a.weights_version == 0 for a in answers[1:]), answers[1:]
-
-    def spans() -> list[tuple]:
-        jobs = [Job.fetch(t.request_id, connection=connection, serializer=JobSerializer) for t in tickets]
-        return [(job.started_at, job.ended_at) for job in jobs]
-
-    # a job's result is stored before its end is written (RQ's success path, the lane's next flush)
-    wait_until(lambda: all(end is not None for _, end in spans()), what="every job's ended_at")
-    (fb_start, fb_end), *served = spans()
+    (fb_start, fb_end), *served = job_spans(connection, [t.request_id for t in tickets])
     inside = [(start, end) for start, end in served if fb_start < start and end < fb_end]
     assert inside, f"forward_backward ran {fb_start}..{fb_end}; no sample ran inside it: {served}"
     log = ray_worker.output()[logged:]

@@ -4,13 +4,16 @@ users run them; and a polling wait with a deadline."""
 import signal
 import subprocess
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 from redis import Redis
+from rq.job import Job
 
 from commands.processes import TinkerqProc
 from tinkerq.config import QueueConfig, RuntimeConfig
+from tinkerq.jobs import JobSerializer
 from worker.main import WorkerProcess
 from worker.runtime.registry import build_runtime
 
@@ -35,6 +38,21 @@ def wait_until(predicate, timeout: float = 15.0, what: str = "condition") -> Non
             return
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def job_spans(r: Redis, request_ids: list[str], timeout: float = 15.0) -> list[tuple[datetime, datetime]]:
+    """When the worker started and ended each request's job, as its RQ job hash records them (RQ's own for a job it
+    ran, a lane run's for a sample), once every one is marked ended: a result is stored before its job is marked
+    finished (RQ's success path, the run's next flush)."""
+    spans: list[tuple] = []
+
+    def all_ended() -> bool:
+        spans[:] = [(job.started_at, job.ended_at) for job in (Job.fetch(rid, connection=r, serializer=JobSerializer)
+                                                               for rid in request_ids)]
+        return all(end is not None for _, end in spans)
+
+    wait_until(all_ended, timeout, "every job's ended_at")
+    return spans
 
 
 def api_env(config: QueueConfig, root: Path) -> dict[str, str]:
