@@ -248,7 +248,7 @@ class LaneRun(EngineRun):
 
     def __init__(self, batcher: Batcher, queue_key: str, shard: int, max_requests: int, admit_s: float,
                  store: Callable[[list[tuple[str, Result]]], object], worker_name: str | None,
-                 stopping: Callable[[], bool], handed: Handed, ready: Ready, alone: Collection[str] = ()) -> None:
+                 stopping: Callable[[], bool], handed: Handed, ready: Ready, alone: Collection[str]) -> None:
         super().__init__(batcher, queue_key, shard, max_requests, admit_s, [], store, worker_name, stopping)
         self.handed, self.ready = handed, ready
         self.alone = alone  # samples a lane run failed: the RQ loop serves each on its own

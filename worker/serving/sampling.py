@@ -52,15 +52,13 @@ class Sampling:
         return {"request_id": rid, "type": "sample", "batch": len(run.requests)}
 
     def serve_taken(self, shard: int, taken: list[batching.Taken], worker_name: str, handed: batching.Handed,
-                    ready: batching.Ready, stopping: Callable[[], bool],
-                    alone: Collection[str] = ()) -> batching.LaneRun:
+                    ready: batching.Ready, stopping: Callable[[], bool], alone: Collection[str]) -> None:
         """The sampling lane's run on one shard: `taken` (already in the shard's batched list; their models ready
-        here) and what the run admits; the run, once over."""
+        here) and what the run admits (none of `alone`)."""
         run = batching.LaneRun(self.batcher, keys.queue_key(shard), shard, self.config.max_batch_requests,
                                self.config.batch_admit_s, lambda results: self.results.store_results(shard, results),
                                worker_name, lambda: self.stopping.is_set() or stopping(), handed, ready, alone)
         self._run(run, run.start_taken(taken), self._done(run), None)
-        return run
 
     def _done(self, run: batching.EngineRun) -> Callable[[str, Result], None]:
         def done(each_rid: str, result: Result) -> None:
