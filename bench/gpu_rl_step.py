@@ -281,11 +281,43 @@ class Queue:
             self.worker.kill()
 
 
-def rl_steps(args, queue: Queue) -> list[dict]:
-    """Warm-up and timed steps through the queue; one row per step."""
+def created(args, queue: Queue) -> None:
     started = time.perf_counter()
     queue.wait(queue.producer.submit(create_request(args)), "create_model")
     print(f"worker ready (model created, engine started) in {time.perf_counter() - started:.1f} s", flush=True)
+
+
+def train_and_sync(args, queue: Queue, data: list[Datum], version: int) -> tuple:
+    """forward_backward, optim_step and a transient sync, each submitted once the one before answered: the
+    forward_backward's result, the sync's, and the times each ended (perf_counter)."""
+    fb = queue.wait(queue.producer.submit(ForwardBackwardRequest(model_id=MODEL, data=data, loss_fn=args.loss)),
+                    "forward_backward")
+    t3 = time.perf_counter()
+    queue.wait(queue.producer.submit(OptimStepRequest(model_id=MODEL, adam_params=AdamParams(learning_rate=args.lr))),
+               "optim_step")
+    t4 = time.perf_counter()
+    sync = queue.wait(queue.producer.submit(WeightSyncRequest(model_id=MODEL)), "weight_sync")
+    t5 = time.perf_counter()
+    assert sync.applied and not sync.persisted and sync.version == version + 1, sync
+    return fb, sync, (t3, t4, t5)
+
+
+def step_figures(outputs: list, data: list[Datum], fb, version: int, sample_s: float) -> dict:
+    """What a row records beside its phase times."""
+    tokens = tokens_of(outputs)
+    return {"sampled_tokens": tokens, "sample_tokens_per_s": tokens / max(sample_s, 1e-9),
+            "train_tokens": sum(len(d.model_input) for d in data), "loss": fb.metrics.get("loss:sum"),
+            "mean_reward": statistics.fmean(reward(s.tokens) for o in outputs for s in o.sequences),
+            "version": version}
+
+
+def phase_ms(marks: list[tuple[float, float]]) -> dict[str, float]:
+    return dict(zip(PHASES, ((b - a) * 1e3 for a, b in marks)))
+
+
+def rl_steps(args, queue: Queue) -> list[dict]:
+    """Warm-up and timed steps through the queue; one row per step."""
+    created(args, queue)
     requests = sample_requests(args)
     version = 0  # what the producer pins samples to: the latest sync (0: none yet)
     rows = []
@@ -304,26 +336,11 @@ def rl_steps(args, queue: Queue) -> list[dict]:
         aside_s = time.perf_counter() - t1  # the GPU reading and the resample: no phase's time
         data = build_datums(args, requests, outputs)
         t2 = time.perf_counter()
-        fb = queue.wait(queue.producer.submit(ForwardBackwardRequest(model_id=MODEL, data=data, loss_fn=args.loss)),
-                        "forward_backward")
-        t3 = time.perf_counter()
-        queue.wait(queue.producer.submit(OptimStepRequest(model_id=MODEL,
-                                                          adam_params=AdamParams(learning_rate=args.lr))),
-                   "optim_step")
-        t4 = time.perf_counter()
-        sync = queue.wait(queue.producer.submit(WeightSyncRequest(model_id=MODEL)), "weight_sync")
-        t5 = time.perf_counter()
-        assert sync.applied and not sync.persisted and sync.version == version + 1, sync
+        fb, sync, (t3, t4, t5) = train_and_sync(args, queue, data, version)
         version = sync.version
-        tokens = tokens_of(outputs)
         t1b = t1 + aside_s  # the build starts after them
-        row.update({"ms": dict(zip(PHASES, ((b - a) * 1e3 for a, b in ((t0, t1), (t1b, t2), (t2, t3), (t3, t4),
-                                                                      (t4, t5))))),
-                    "total_ms": (t5 - t0 - aside_s) * 1e3, "sampled_tokens": tokens,
-                    "sample_tokens_per_s": tokens / (t1 - t0),
-                    "train_tokens": sum(len(d.model_input) for d in data), "loss": fb.metrics.get("loss:sum"),
-                    "mean_reward": statistics.fmean(reward(s.tokens) for o in outputs for s in o.sequences),
-                    "version": version})
+        row.update({"ms": phase_ms([(t0, t1), (t1b, t2), (t2, t3), (t3, t4), (t4, t5)]),
+                    "total_ms": (t5 - t0 - aside_s) * 1e3, **step_figures(outputs, data, fb, version, t1 - t0)})
         row["sync_share"] = row["ms"]["sync"] / row["total_ms"]
         rows.append(row)
         ms = row["ms"]
@@ -342,9 +359,7 @@ def rl_steps_off_policy(args, queue: Queue) -> list[dict]:
     the latest sync, the weights before step k's) right before step k's forward_backward, so a worker with lanes
     samples it while it trains; a serial worker samples it first. A row's phases overlap: its total is the step's
     wall time, from waiting for its batch to its sync's result."""
-    started = time.perf_counter()
-    queue.wait(queue.producer.submit(create_request(args)), "create_model")
-    print(f"worker ready (model created, engine started) in {time.perf_counter() - started:.1f} s", flush=True)
+    created(args, queue)
     requests = sample_requests(args)
     version, pending, pinned = 0, queue.producer.submit_many(requests), 0
     rows = []
@@ -358,25 +373,10 @@ def rl_steps_off_policy(args, queue: Queue) -> list[dict]:
         pending, pinned = queue.producer.submit_many(requests), version  # the next batch, sampled meanwhile
         data = build_datums(args, requests, outputs)
         t2 = time.perf_counter()
-        fb = queue.wait(queue.producer.submit(ForwardBackwardRequest(model_id=MODEL, data=data, loss_fn=args.loss)),
-                        "forward_backward")
-        t3 = time.perf_counter()
-        queue.wait(queue.producer.submit(OptimStepRequest(model_id=MODEL,
-                                                          adam_params=AdamParams(learning_rate=args.lr))),
-                   "optim_step")
-        t4 = time.perf_counter()
-        sync = queue.wait(queue.producer.submit(WeightSyncRequest(model_id=MODEL)), "weight_sync")
-        t5 = time.perf_counter()
-        assert sync.applied and sync.version == version + 1, sync
+        fb, sync, (t3, t4, t5) = train_and_sync(args, queue, data, version)
         version = sync.version
-        tokens = tokens_of(outputs)
-        row.update({"ms": dict(zip(PHASES, ((b - a) * 1e3 for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4),
-                                                                      (t4, t5))))),
-                    "total_ms": (t5 - t0) * 1e3, "sampled_tokens": tokens,
-                    "sample_tokens_per_s": tokens / max(t1 - t0, 1e-9),
-                    "train_tokens": sum(len(d.model_input) for d in data), "loss": fb.metrics.get("loss:sum"),
-                    "mean_reward": statistics.fmean(reward(s.tokens) for o in outputs for s in o.sequences),
-                    "version": version})
+        row.update({"ms": phase_ms([(t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5)]), "total_ms": (t5 - t0) * 1e3,
+                    **step_figures(outputs, data, fb, version, t1 - t0)})
         row["sync_share"] = row["ms"]["sync"] / row["total_ms"]
         rows.append(row)
         print(f"step {step}{' (warm-up)' if row['warmup'] else ''} (off-policy): "
