@@ -195,9 +195,11 @@ class SamplingLane:
         except FencedOut:
             log.warning("sampling lane: shard %s is no longer this worker's; its samples are the new owner's", shard)
             self._drop(shard)
-        except REDIS_DOWN as exc:  # the RQ loop rides the outage out and requeues what the batched lists hold
-            log.warning("sampling lane: Redis went away (%s); its samples are requeued once it is back", exc)
-            self._drop(None)
+        except REDIS_DOWN as exc:
+            # The inbox is kept and served once Redis answers: its samples are in their batched lists, which only
+            # the RQ loop's recovery would requeue, and it runs none when its own connection saw no outage (a reset
+            # of the lane's alone). Served twice after a recovery, a sample still keeps its first result.
+            log.warning("sampling lane: Redis went away (%s); it serves what it holds once Redis is back", exc)
             self._stop.wait(self.config.tick_s)
         except Exception:
             log.exception("sampling lane: an engine run failed; its samples go back to the queue, served alone")
@@ -240,12 +242,11 @@ class SamplingLane:
                 return shard, taken
         return None, []
 
-    def _drop(self, shard: int | None) -> None:
-        """Forget the handed-over samples of a shard (all: None) without touching Redis: they stay in its batched
-        list, where the shard's recovery finds them."""
+    def _drop(self, shard: int) -> None:
+        """Forget the handed-over samples of a shard no longer this worker's, without touching Redis: they stay in
+        its batched list, where the new owner's recovery finds them."""
         with self._cond:
-            for each in [shard] if shard is not None else list(self._inbox):
-                self._inbox.pop(each, None)
+            self._inbox.pop(shard, None)
             self._cond.notify_all()
 
     def _put_back(self) -> None:
